@@ -1,0 +1,28 @@
+"""dflash2: DFlash 2 speculative decoding.
+
+A block-diffusion drafter reads the target's hidden states and drafts a whole block in one forward
+pass; a two-tap dynamic convolution, per-position top-K candidates and a path selector (DFlash 2)
+pick the path; the target verifies the block in one pass, losslessly.
+"""
+
+from .backbone import BlockDiffusionBackbone, ContextCache
+from .config import DFlash2Config, default_target_layer_ids
+from .conv import NoConv, TwoTapDynamicConv
+from .drafter import DFlash2Drafter
+from .heads import CandidateHead, Candidates
+from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_generate
+from .rng import RandomSource, TorchRandom
+from .sampling import SamplingParams, greedy_token, process_logits
+from .selector import ArgmaxSelector, ViterbiSelector, WalkSelector, viterbi_path
+from .target import TargetAdapter
+from .verify import Draft, Verdict, commit, verify_block
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
+    "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
+    "SamplingParams", "TargetAdapter", "TorchRandom", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
+    "WalkSelector", "ar_generate", "commit", "default_target_layer_ids", "greedy_token", "process_logits",
+    "spec_generate", "verify_block", "viterbi_path",
+]

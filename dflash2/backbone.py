@@ -1,0 +1,147 @@
+"""Block-diffusion backbone (DFlash, design doc section 2).
+
+Qwen3-style pre-norm layers whose attention takes queries from the block only and keys/values from
+`[fused target features; block]` (KV injection in every layer). The fused features are the chosen
+target layers' hidden states concatenated per position, projected by `fc` and RMS-normed by
+`hidden_norm`; each layer turns them into K/V with its own k/v projections, k-norm and RoPE at their
+absolute positions. Context entries are only K/V: no MLP, no residual. Inside the block attention is
+bidirectional. Each sublayer may be wrapped by the two-tap dynamic convolution (DFlash 2).
+
+The context K/V are computed once per context position and kept in a `ContextCache` across rounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .config import DFlash2Config
+from .conv import NoConv, TwoTapDynamicConv
+from .layers import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin
+
+
+@dataclass
+class ContextCache:
+    """Per-layer projected context K/V, each [N, kv_heads, C, hd], and the next absolute position.
+
+    With a context window W only the last W entries are kept; `length` still counts every position.
+    """
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    length: int = 0
+
+
+class KVInjectionAttention(nn.Module):
+    """Queries from the block [N, T, H]; keys/values from [context K/V; block K/V]."""
+
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
+        self.rope_theta = config.rope_theta
+        self.q_proj = nn.Linear(H, self.num_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * hd, H, bias=False)
+        self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+
+    def project_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """x [N, T, H], positions [T] → k, v [N, kv_heads, T, hd] (k normed and rotated)."""
+        N, T, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x: Tensor, positions: Tensor, context_k: Tensor, context_v: Tensor,
+                mask: Tensor | None = None) -> Tensor:
+        """x [N, T, H] at positions [T]; context_k/v [N, kv_heads, C, hd]; mask [T, C+T] or None."""
+        N, T, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(N, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, T, hd)
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(x, positions)
+        k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
+        v = torch.cat([context_v, v], dim=2)
+        out = attention(q, k, v, mask)  # (N, h, T, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(N, T, self.num_heads * self.head_dim))
+
+
+class DrafterLayer(nn.Module):
+    """Pre-norm layer: x + conv(attn)(norm(x)), then x + conv(mlp)(norm(x))."""
+
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.self_attn = KVInjectionAttention(config)
+        self.mlp = SwiGLU(H, config.intermediate_size)
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
+        if config.conv == "two_tap":
+            make = lambda: TwoTapDynamicConv(H, config.block_size, config.conv_kernel_size, config.conv_group_size)
+        else:
+            make = NoConv
+        self.attention_conv = make()
+        self.mlp_conv = make()
+
+    def forward(self, x: Tensor, positions: Tensor, context_k: Tensor, context_v: Tensor,
+                mask: Tensor | None = None) -> Tensor:
+        """x [N, T, H] → [N, T, H]."""
+        attend = lambda h: self.self_attn(h, positions, context_k, context_v, mask)
+        x = x + self.attention_conv(self.input_layernorm(x), attend)
+        return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp)
+
+
+class BlockDiffusionBackbone(nn.Module):
+    """Target features → context K/V; block embeddings + context K/V → block hidden states.
+
+    fuse:            features [N, C, F] (F = len(target_layer_ids)·H) → [N, C, H]
+    extend_context:  appends the K/V of new context positions to a ContextCache
+    forward:         block embeddings [N, T, H] at positions [T] → normed hidden states [N, T, H]
+    """
+
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.config = config
+        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+
+    def fuse(self, features: Tensor) -> Tensor:
+        return self.hidden_norm(self.fc(features))
+
+    def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """features [N, C, F] at positions [C] → per layer (k, v), each [N, kv_heads, C, hd]."""
+        fused = self.fuse(features)
+        return [layer.self_attn.project_kv(fused, positions) for layer in self.layers]
+
+    def extend_context(self, cache: ContextCache, features: Tensor) -> ContextCache:
+        """Append features [N, n, F] for positions cache.length .. cache.length+n-1 (in place)."""
+        features = features.to(self.fc.weight.dtype)
+        n = features.shape[1]
+        positions = torch.arange(cache.length, cache.length + n, device=features.device)
+        new = self.context_kv(features, positions)
+        if not cache.keys:
+            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
+        else:
+            cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
+            cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+        window = self.config.context_window
+        if window is not None and cache.keys[0].shape[2] > window:
+            cache.keys = [k[:, :, -window:] for k in cache.keys]
+            cache.values = [v[:, :, -window:] for v in cache.values]
+        cache.length += n
+        return cache
+
+    def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
+                mask: Tensor | None = None) -> Tensor:
+        """x [N, T, H] block embeddings; context per-layer (k, v) [N, kv, C, hd]; mask [T, C+T]."""
+        for layer, (k, v) in zip(self.layers, context):
+            x = layer(x, positions, k, v, mask)
+        return self.norm(x)

@@ -1,0 +1,148 @@
+"""The DFlash-2 drafter: backbone + candidate head + path selector.
+
+One round of drafting (batch 1 at inference):
+
+    new target features [1, n, F] ──extend_context──► ContextCache (per-layer K/V, kept across rounds)
+    [anchor, MASK × (B-1)] ──target embedding──► [1, B, H] ──backbone──► hidden [1, B, H]
+    hidden[:, 1:] ──target LM head──► logits [1, L, V] ──CandidateHead──► ids, U [L, K]
+    (ids, U, hidden[1:], anchor) ──selector──► Draft(tokens [L], q or None)
+
+The drafter holds no embedding or LM head: it borrows the target's (frozen), through the adapter.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor, nn
+
+from .backbone import BlockDiffusionBackbone, ContextCache
+from .config import DFlash2Config
+from .heads import CandidateHead
+from .rng import RandomSource
+from .selector import build_selector
+from .target import TargetAdapter
+from .verify import Draft
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+ARCHITECTURE = "DFlash2Drafter"
+
+
+class DFlash2Drafter(nn.Module):
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        self.config = config
+        self.backbone = BlockDiffusionBackbone(config)
+        self.candidates = CandidateHead(config.selector_top_k)
+        self.candidate_selector = build_selector(config)
+
+    # -- construction ----------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: nn.Module, **fields: Any) -> "DFlash2Drafter":
+        """A randomly initialised drafter sized for an HF causal LM, on its device and dtype.
+
+        Hidden size, vocabulary, number of target layers and RoPE base come from `target.config`;
+        `fields` sets any other DFlash2Config field (and may override the head layout).
+        """
+        adapter = TargetAdapter(target)
+        tc = adapter.config
+        heads = int(getattr(tc, "num_attention_heads", 0) or max(1, adapter.hidden_size // 64))
+        sizes = dict(
+            hidden_size=adapter.hidden_size,
+            vocab_size=adapter.vocab_size,
+            num_target_layers=adapter.num_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(tc, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(tc, "head_dim", None) or adapter.hidden_size // heads),
+            intermediate_size=int(getattr(tc, "intermediate_size", None) or 4 * adapter.hidden_size),
+            rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
+            rope_theta=_rope_theta(tc),
+            max_position_embeddings=adapter.max_positions or 32768,
+        )
+        clash = sorted(k for k in ("hidden_size", "vocab_size", "num_target_layers") if k in fields
+                       and fields[k] != sizes[k])
+        if clash:
+            raise ValueError(f"{clash} must equal the target's ({[sizes[k] for k in clash]})")
+        sizes.update(fields)
+        weight = target.get_input_embeddings().weight
+        return cls(DFlash2Config(**sizes)).to(device=weight.device, dtype=weight.dtype)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write `config.json` and `model.safetensors` (HF-style directory)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
+        (directory / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
+        tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, *, device: str | torch.device | None = None,
+                        dtype: torch.dtype | None = None) -> "DFlash2Drafter":
+        """Read a directory written by `save_pretrained`; every tensor must match, none may be missing."""
+        directory = Path(directory)
+        for name in (CONFIG_NAME, WEIGHTS_NAME):
+            if not (directory / name).is_file():
+                raise FileNotFoundError(f"{directory / name} does not exist")
+        meta = json.loads((directory / CONFIG_NAME).read_text())
+        arch = meta.pop("architectures", [ARCHITECTURE])
+        if arch != [ARCHITECTURE]:
+            raise ValueError(f"{directory} holds {arch}, not a {ARCHITECTURE} directory")
+        model = cls(DFlash2Config.from_dict(meta))
+        state = load_file(str(directory / WEIGHTS_NAME))
+        expected = model.state_dict()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint keys do not match the config: missing {missing}, unexpected {unexpected}")
+        wrong = [k for k in expected if expected[k].shape != state[k].shape]
+        if wrong:
+            raise ValueError(f"checkpoint tensors with wrong shapes: {wrong}")
+        model.load_state_dict(state, strict=True)
+        dtype = dtype or next(iter(state.values())).dtype
+        return model.to(device=device, dtype=dtype)
+
+    # -- the Drafter protocol used by spec_generate ----------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.config.target_layer_ids
+
+    def new_cache(self) -> ContextCache:
+        return ContextCache()
+
+    @torch.no_grad()
+    def propose(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
+                temperature: float, rng: RandomSource) -> Draft:
+        """Extend the context by new_features [1, n, F] (positions cache.length..), then draft the
+        block that starts with `anchor` at position cache.length. Returns L = B - 1 draft tokens."""
+        self.backbone.extend_context(cache, new_features)
+        if self.config.block_size == 1:
+            return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
+        hidden = self.block_hidden(cache, anchor, target)[0, 1:]  # [L, H]
+        logits = target.lm_logits(hidden)  # [L, V]
+        cands = self.candidates(logits)  # ids, U: [L, K]
+        return self.candidate_selector(cands, hidden, anchor, temperature, rng)
+
+    def block_hidden(self, cache: ContextCache, anchor: int, target: TargetAdapter) -> Tensor:
+        """Hidden states [1, B, H] of the block [anchor, MASK, ...] at positions cache.length.."""
+        B, device = self.config.block_size, cache.keys[0].device
+        ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = anchor
+        positions = torch.arange(cache.length, cache.length + B, device=device)
+        x = target.embed(ids).to(cache.keys[0].dtype)  # [1, B, H]
+        return self.backbone(x, positions, list(zip(cache.keys, cache.values)))
+
+
+def _rope_theta(config) -> float:
+    theta = getattr(config, "rope_theta", None)
+    params = getattr(config, "rope_parameters", None)
+    if theta is None and isinstance(params, dict):
+        theta = params.get("rope_theta")
+    return float(theta or 10000.0)

@@ -1,0 +1,79 @@
+"""Small building blocks of the drafter: RMSNorm, rotary embeddings, SwiGLU MLP, attention kernel.
+
+Qwen3 conventions (pre-norm, per-head q/k RMSNorm, rotate-half RoPE) so that drafters trained here
+map one-to-one onto the published checkpoint format.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight over the last dim; statistics in float32 (float64 stays float64)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class SwiGLU(nn.Module):
+    """down(silu(gate(x)) * up(x)); [..., H] → [..., H]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """positions [T] (absolute) → cos, sin [T, head_dim] in `dtype`."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
+    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)  # [T, hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [N, heads, T, hd] rotated by cos/sin [T, hd] (rotate-half convention)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """q [N, h, Tq, d], k/v [N, h_kv, Tk, d], mask [Tq, Tk] bool (True = attend) or None → [N, h, Tq, d].
+
+    Grouped-query heads are expanded here. flash-attn is used when importable, on CUDA, in half
+    precision and without a mask; PyTorch SDPA otherwise.
+    """
+    groups = q.shape[1] // k.shape[1]
+    if mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        flash = _flash_attn_func()
+        if flash is not None:  # flash-attn takes [N, T, h, d] and handles GQA itself
+            out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
+            return out.transpose(1, 2)
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _flash_attn_func():
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return None
+    return flash_attn_func

@@ -1,0 +1,38 @@
+"""The random source of decoding, injectable so that tests can enumerate every branch.
+
+Everything random in drafting and verification goes through two primitives. The default wraps a
+`torch.Generator`; tests substitute a source that walks all outcomes with their probabilities.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+
+class RandomSource(Protocol):
+    def categorical(self, probs: Tensor) -> int:
+        """Draw an index from a 1-D probability vector [V] (sums to 1, non-negative)."""
+        ...
+
+    def bernoulli(self, p: float) -> bool:
+        """True with probability p (0 <= p <= 1)."""
+        ...
+
+
+class TorchRandom:
+    """RandomSource backed by a torch.Generator (the global one when generator is None)."""
+
+    def __init__(self, generator: torch.Generator | None = None) -> None:
+        self.generator = generator
+
+    def categorical(self, probs: Tensor) -> int:
+        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+
+    def bernoulli(self, p: float) -> bool:
+        if p >= 1.0:
+            return True
+        device = self.generator.device if self.generator is not None else "cpu"
+        return bool(torch.rand((), generator=self.generator, device=device).item() < p)

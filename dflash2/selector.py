@@ -1,0 +1,111 @@
+"""Path selectors over the B×K candidate lattice (DFlash 2, design doc section 3).
+
+Edge score from predecessor token a to candidate b at draft position t:
+
+    S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P(h_t), C[b]⟩
+
+with codebooks A (predecessor) and C (successor) in R^{V×r} and P: H → r applied to the backbone's
+hidden state at t. The path starts from the anchor. Variants, chosen by `config.selector`:
+
+* `argmax`:  top-1 per position, no parameters (DFlash-1 behaviour);
+* `walk`:    the published greedy walk: best successor of the current token (T=0), or a draw from
+             softmax(S/T) over the K candidates (T>0), returning that q for verification;
+* `viterbi`: exact best path under the same scores (O(L·K²)); deterministic at any temperature.
+
+P is zero at init, so every selector starts as argmax and learns to deviate.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from .config import DFlash2Config
+from .heads import Candidates
+from .rng import RandomSource
+from .verify import Draft
+
+
+class ArgmaxSelector(nn.Module):
+    def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
+                rng: RandomSource) -> Draft:
+        """cands [L, K] for one sequence → Draft of the top-1 tokens (deterministic)."""
+        return Draft(cands.ids[:, 0])
+
+
+class CodebookSelector(nn.Module):
+    """Parameters and lattice scores shared by the walk and Viterbi selectors."""
+
+    def __init__(self, config: DFlash2Config) -> None:
+        super().__init__()
+        V, r = config.vocab_size, config.selector_rank
+        self.predecessor_codebook = nn.Parameter(torch.randn(V, r) * 0.02)  # A
+        self.successor_codebook = nn.Parameter(torch.randn(V, r) * 0.02)  # C
+        self.hidden_projection = nn.Linear(config.hidden_size, r, bias=False)  # P
+        nn.init.zeros_(self.hidden_projection.weight)
+
+    def edge_scores(self, prev: Tensor, hidden: Tensor, cand: Tensor) -> Tensor:
+        """Pairwise term: prev [..., P] ids, hidden [..., H], cand [..., K] ids → [..., P, K]."""
+        a = self.predecessor_codebook[prev] * self.hidden_projection(hidden).unsqueeze(-2)  # [..., P, r]
+        return a @ self.successor_codebook[cand].transpose(-1, -2)  # [..., P, K]
+
+    def lattice(self, cands: Candidates, hidden: Tensor, anchor: int) -> tuple[Tensor, Tensor]:
+        """cands [L, K], hidden [L, H] → first [K] (from the anchor), steps [L-1, K, K].
+
+        Score of the path (k_0..k_{L-1}) = first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]; unaries included.
+        """
+        U = cands.scores.to(hidden.dtype)
+        anchor_id = torch.tensor([anchor], device=cands.ids.device)
+        first = U[0] + self.edge_scores(anchor_id, hidden[0], cands.ids[0])[0]  # [K]
+        steps = U[1:, None, :] + self.edge_scores(cands.ids[:-1], hidden[1:], cands.ids[1:])  # [L-1, K, K]
+        return first, steps
+
+
+class WalkSelector(CodebookSelector):
+    def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
+                rng: RandomSource) -> Draft:
+        first, steps = self.lattice(cands, hidden, anchor)
+        L = cands.ids.shape[0]
+        scores, picks, qs = first, [], []
+        for t in range(L):
+            if t > 0:
+                scores = steps[t - 1, picks[-1]]
+            if temperature > 0:
+                q = torch.softmax(scores.double() / temperature, dim=-1)
+                picks.append(rng.categorical(q))
+                qs.append(q)
+            else:
+                picks.append(int(scores.argmax()))
+        index = torch.tensor(picks, dtype=torch.long, device=cands.ids.device)
+        tokens = cands.ids.gather(1, index[:, None])[:, 0]
+        if temperature > 0:
+            return Draft(tokens, cands.ids, torch.stack(qs))
+        return Draft(tokens)
+
+
+class ViterbiSelector(CodebookSelector):
+    def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
+                rng: RandomSource) -> Draft:
+        first, steps = self.lattice(cands, hidden, anchor)
+        return Draft(cands.ids.gather(1, viterbi_path(first, steps)[:, None])[:, 0])
+
+
+def viterbi_path(first: Tensor, steps: Tensor) -> Tensor:
+    """Exact argmax path: first [K], steps [L-1, K, K] → indices [L] (ties: lowest index)."""
+    best, back = first, []
+    for step in steps:
+        total = best[:, None] + step  # [K prev, K next]
+        best, arg = total.max(dim=0)
+        back.append(arg)
+    path = [int(best.argmax())]
+    for arg in reversed(back):
+        path.append(int(arg[path[-1]]))
+    return torch.tensor(path[::-1], dtype=torch.long, device=first.device)
+
+
+SELECTORS: dict[str, type[nn.Module]] = {"argmax": ArgmaxSelector, "walk": WalkSelector, "viterbi": ViterbiSelector}
+
+
+def build_selector(config: DFlash2Config) -> nn.Module:
+    kind = SELECTORS[config.selector]
+    return kind() if kind is ArgmaxSelector else kind(config)

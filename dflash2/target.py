@@ -1,0 +1,123 @@
+"""The one place that talks to a Hugging Face causal LM (the target).
+
+Everything version-specific about transformers' cache API lives here: the name of the cache keyword
+(`cache` in newer 5.x, `past_key_values` before), how to crop, which cache class to build. The rest
+of the package sees three operations with explicit state:
+
+    cache = adapter.new_cache()
+    step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V], features [1, T, F] or None
+    adapter.crop(cache, length)                  # keep the first `length` positions
+
+plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
+
+The cache is a plain `DynamicCache` built without the model config, so every layer keeps its full
+history (sliding-window layers included; their window is applied by the model's mask, from absolute
+positions) and cropping is exact for every attention-only architecture.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from transformers import DynamicCache
+
+# Layer types that are pure attention: their KV cache can be cropped exactly.
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# Recurrent-state families without a `layer_types` field.
+RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "jamba", "zamba", "zamba2",
+                                   "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
+
+
+class TargetStep(NamedTuple):
+    """logits [1, T, V]; features [1, T, F] (the chosen layers' hidden states, concatenated) or None."""
+
+    logits: Tensor
+    features: Tensor | None
+
+
+class TargetAdapter:
+    """Wraps an HF causal LM for prefill, block verification and cache cropping."""
+
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = ()) -> None:
+        config = getattr(model, "config", None)
+        if config is None or not callable(getattr(model, "get_input_embeddings", None)):
+            raise TypeError(f"target must be a Hugging Face causal LM (PreTrainedModel), got {type(model).__name__}")
+        self.model = model
+        self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.layer_ids = tuple(layer_ids)
+        _reject_recurrent(self.config)
+        bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    # -- facts about the target ------------------------------------------------------------------
+    @property
+    def hidden_size(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def max_positions(self) -> int | None:
+        value = getattr(self.config, "max_position_embeddings", None)
+        return int(value) if value else None
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    # -- operations ------------------------------------------------------------------------------
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache()
+
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, cache: DynamicCache) -> TargetStep:
+        """Run ids [1, T] after the cached positions; the cache grows by T."""
+        want = bool(self.layer_ids)
+        out = self.model(input_ids=input_ids, use_cache=True, output_hidden_states=want,
+                         **{self._cache_kw: cache})
+        features = None
+        if want:  # hidden_states[i + 1] is the output of layer i
+            features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
+        return TargetStep(out.logits, features)
+
+    def crop(self, cache: DynamicCache, length: int) -> None:
+        """Keep the first `length` positions. A negative count works on every 5.x cache API."""
+        remove = cache.get_seq_length() - length
+        if remove < 0:
+            raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+        if remove:
+            cache.crop(-remove)
+
+    @torch.no_grad()
+    def embed(self, ids: Tensor) -> Tensor:
+        """ids [...] → [..., H] with the target's frozen input embedding."""
+        return self.model.get_input_embeddings()(ids)
+
+    @torch.no_grad()
+    def lm_logits(self, hidden: Tensor) -> Tensor:
+        """hidden [..., H] → [..., V] with the target's frozen LM head."""
+        return self.model.get_output_embeddings()(hidden)
+
+
+def _reject_recurrent(config) -> None:
+    model_type = getattr(config, "model_type", type(config).__name__)
+    layer_types = getattr(config, "layer_types", None) or ()
+    odd = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    if odd or model_type in RECURRENT_MODEL_TYPES:
+        detail = f" (layer types {odd})" if odd else ""
+        raise NotImplementedError(
+            f"target model type {model_type!r} has recurrent-state layers{detail}; their state cannot be cropped "
+            "after a partial acceptance, and exact rollback for hybrid targets is not implemented yet"
+        )
