@@ -92,8 +92,9 @@ class DFlash2Drafter(nn.Module):
         arch = meta.pop("architectures", [ARCHITECTURE])
         if arch != [ARCHITECTURE]:
             raise ValueError(f"{directory} holds {arch}, not a {ARCHITECTURE} directory")
-        model = cls(DFlash2Config.from_dict(meta))
         state = load_file(str(directory / WEIGHTS_NAME))
+        stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+        model = cls(DFlash2Config.from_dict(meta)).to(stored)  # load without a lossy cast
         expected = model.state_dict()
         missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
         if missing or unexpected:
@@ -102,8 +103,7 @@ class DFlash2Drafter(nn.Module):
         if wrong:
             raise ValueError(f"checkpoint tensors with wrong shapes: {wrong}")
         model.load_state_dict(state, strict=True)
-        dtype = dtype or next(iter(state.values())).dtype
-        return model.to(device=device, dtype=dtype)
+        return model.to(device=device, dtype=dtype or stored)
 
     # -- the Drafter protocol used by spec_generate ----------------------------------------------
     @property

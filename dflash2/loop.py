@@ -97,10 +97,13 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     """Lossless speculative decoding of one sequence: greedy output equals the target's greedy output,
     sampled output has exactly the target's processed distribution (temperature → top-k → top-p).
 
-    input_ids: [1, T] or [T] long prompt. `rng` overrides `generator` (tests inject enumerators).
+    target: an HF causal LM, or a TargetAdapter around one. input_ids: [1, T] or [T] long prompt.
+    `rng` overrides `generator` (tests inject a source that enumerates every random branch).
     """
     params = SamplingParams(temperature, top_k, top_p)
-    tgt = TargetAdapter(target, drafter.target_layer_ids)
+    tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target, drafter.target_layer_ids)
+    if tgt.layer_ids != tuple(drafter.target_layer_ids):
+        raise ValueError(f"the target adapter reads layers {tgt.layer_ids}, the drafter wants {drafter.target_layer_ids}")
     _check_pair(drafter, tgt)
     prompt = _check_prompt(input_ids, tgt, max_new_tokens)
     stops = _check_stops(stop_token_ids, tgt.vocab_size)

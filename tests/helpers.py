@@ -1,0 +1,173 @@
+"""Tiny float64 targets, stub drafters and the branch enumerator shared by the tests."""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Callable
+
+import torch
+import transformers
+from torch import Tensor
+
+from dflash2 import Draft, RandomSource, TargetAdapter
+
+VOCAB = 48
+MASK = VOCAB - 1
+
+
+def _configs(vocab: int) -> dict[str, tuple[type, object]]:
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                  num_attention_heads=4, max_position_embeddings=256)
+    return {
+        "qwen3": (transformers.Qwen3ForCausalLM,
+                  transformers.Qwen3Config(**common, num_key_value_heads=2, head_dim=8)),
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**common, num_key_value_heads=2)),
+        # window shorter than prompt + generation, so the window actually bites
+        "mistral_sliding": (transformers.MistralForCausalLM,
+                            transformers.MistralConfig(**common, num_key_value_heads=2, head_dim=8, sliding_window=6)),
+        "gpt2": (transformers.GPT2LMHeadModel,
+                 transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=4, n_head=4, n_positions=256,
+                                         bos_token_id=0, eos_token_id=1)),
+        "gpt_neox": (transformers.GPTNeoXForCausalLM,
+                     transformers.GPTNeoXConfig(**common, bos_token_id=0, eos_token_id=1)),
+    }
+
+
+ARCHITECTURES = tuple(_configs(VOCAB))
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: float = 1.0):
+    """A random float64 HF causal LM; `scale` > 1 sharpens its distributions (more agreement)."""
+    cls, config = _configs(vocab)[arch]
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float64).eval()
+    if scale != 1.0:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.mul_(scale)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = None
+    return model
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_token_ids=None) -> list[int]:
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens,
+                         eos_token_id=list(stop_token_ids) if stop_token_ids else None, pad_token_id=MASK)
+    return out[0].tolist()
+
+
+def exact_ar_distribution(model, prompt: list[int], n: int, prob_fn: Callable[[Tensor], Tensor],
+                          stops: frozenset[int] = frozenset()) -> dict[tuple[int, ...], float]:
+    """Exact distribution of the next n tokens (shorter if a stop token ends it), by brute force."""
+    out: dict[tuple[int, ...], float] = {}
+
+    def walk(seq: list[int], prob: float) -> None:
+        if len(seq) - len(prompt) == n or (len(seq) > len(prompt) and seq[-1] in stops):
+            out[tuple(seq[len(prompt):])] = out.get(tuple(seq[len(prompt):]), 0.0) + prob
+            return
+        with torch.no_grad():
+            logits = model(torch.tensor([seq])).logits[0, -1]
+        for tok, p in enumerate(prob_fn(logits).tolist()):
+            if p > 0:
+                walk(seq + [tok], prob * p)
+
+    walk(list(prompt), 1.0)
+    return out
+
+
+# -- branch enumeration ---------------------------------------------------------------------------
+class ScriptedSource:
+    """A RandomSource that follows a script of choices and records the ones past its end."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.pos, self.prob = script, 0, 1.0
+        self.arities: list[int] = []  # arity of each decision taken past the script
+
+    def _choose(self, options: list[tuple[object, float]]):
+        if self.pos < len(self.script):
+            idx = self.script[self.pos]
+        else:
+            idx = 0
+            self.arities.append(len(options))
+        self.pos += 1
+        value, p = options[idx]
+        self.prob *= p
+        return value
+
+    def categorical(self, probs: Tensor) -> int:
+        return self._choose([(i, p) for i, p in enumerate(probs.tolist()) if p > 0])
+
+    def bernoulli(self, p: float) -> bool:
+        return self._choose([(v, q) for v, q in ((True, p), (False, 1.0 - p)) if q > 0])
+
+
+def enumerate_outcomes(program: Callable[[RandomSource], object]) -> tuple[dict[object, float], int]:
+    """Run `program` once per branch of its random decisions; exact outcome distribution, #branches."""
+    dist: dict[object, float] = defaultdict(float)
+    stack, branches = [[]], 0
+    while stack:
+        script = stack.pop()
+        source = ScriptedSource(script)
+        dist[program(source)] += source.prob
+        branches += 1
+        taken = script + [0] * len(source.arities)
+        for depth, arity in enumerate(source.arities, start=len(script)):
+            stack.extend(taken[:depth] + [j] for j in range(1, arity))
+    return dict(dist), branches
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+# -- stub drafters (the Drafter protocol of dflash2.loop) -------------------------------------------
+class StubDrafter:
+    """Drafts with a function (anchor, position) → list of L tokens; deterministic path.
+
+    It reads one target layer only to count context positions: the anchor's absolute position is the
+    number of feature rows received so far.
+    """
+
+    def __init__(self, block_size: int, propose_fn: Callable[[int, int], list[int]]) -> None:
+        self.block_size, self.fn = block_size, propose_fn
+        self.target_layer_ids: tuple[int, ...] = (0,)
+
+    def new_cache(self) -> dict:
+        return {"position": 0}
+
+    def propose(self, cache, anchor, new_features, target: TargetAdapter, temperature, rng) -> Draft:
+        cache["position"] += new_features.shape[1]
+        tokens = self.fn(anchor, cache["position"])[: self.block_size - 1]
+        return Draft(torch.tensor(tokens, dtype=torch.long))
+
+
+def constant_drafter(block_size: int, token: int) -> StubDrafter:
+    return StubDrafter(block_size, lambda anchor, pos: [token] * (block_size - 1))
+
+
+def eos_spammer(block_size: int, eos: int) -> StubDrafter:
+    return constant_drafter(block_size, eos)
+
+
+def random_drafter(block_size: int, vocab: int, seed: int) -> StubDrafter:
+    g = torch.Generator().manual_seed(seed)
+    return StubDrafter(block_size, lambda anchor, pos: torch.randint(0, vocab, (block_size - 1,), generator=g).tolist())
+
+
+def oracle_drafter(block_size: int, reference: list[int], corrupt_every: int = 0) -> StubDrafter:
+    """Copies the target's greedy continuation `reference` (full sequence); with corrupt_every = m,
+    every m-th drafted token is replaced, so acceptance is partial."""
+
+    def fn(anchor: int, pos: int) -> list[int]:
+        out = []
+        for j in range(1, block_size):
+            i = pos + j  # the anchor sits at index `pos` of the full sequence
+            tok = reference[i] if i < len(reference) else 0
+            if corrupt_every and (i % corrupt_every == 0):
+                tok = (tok + 1) % VOCAB
+            out.append(tok)
+        return out
+
+    return StubDrafter(block_size, fn)

@@ -1,0 +1,84 @@
+"""After every round the target cache equals a fresh prefill of the committed tokens (but the anchor),
+and the drafter's context cache equals recomputing it from all features seen so far."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
+from tests.helpers import MASK, hf_greedy, oracle_drafter, tiny_target
+
+
+class CheckingAdapter(TargetAdapter):
+    """Keeps the ids the cache should hold; after each crop, compares the cache with a fresh prefill."""
+
+    def __init__(self, model, layer_ids):
+        super().__init__(model, layer_ids)
+        self.ids: list[int] = []
+        self.checked = 0
+
+    def forward(self, input_ids, cache):
+        self.ids += input_ids[0].tolist()
+        return super().forward(input_ids, cache)
+
+    def crop(self, cache, length):
+        super().crop(cache, length)
+        self.ids = self.ids[:length]
+        assert cache.get_seq_length() == length
+        probe = torch.tensor([[7]])
+        fresh = self.new_cache()
+        with torch.no_grad():
+            self.model(input_ids=torch.tensor([self.ids]), use_cache=True, **{self._cache_kw: fresh})
+            ours = self.model(input_ids=probe, use_cache=True, **{self._cache_kw: copy.deepcopy(cache)}).logits
+            theirs = self.model(input_ids=probe, use_cache=True, **{self._cache_kw: fresh}).logits
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        self.checked += 1
+
+
+class CheckingDrafter(DFlash2Drafter):
+    """After each proposal, the context cache must equal a recomputation from all features."""
+
+    def new_cache(self):
+        self.features = []
+        return super().new_cache()
+
+    def propose(self, cache, anchor, new_features, target, temperature, rng):
+        self.features.append(new_features)
+        draft = super().propose(cache, anchor, new_features, target, temperature, rng)
+        everything = torch.cat(self.features, dim=1)
+        assert cache.length == everything.shape[1]
+        recomputed = self.backbone.context_kv(everything, torch.arange(everything.shape[1]))
+        window = self.config.context_window or everything.shape[1]
+        for (k, v), ck, cv in zip(recomputed, cache.keys, cache.values):
+            torch.testing.assert_close(ck, k[:, :, -window:], rtol=0, atol=1e-12)
+            torch.testing.assert_close(cv, v[:, :, -window:], rtol=0, atol=1e-12)
+        return draft
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "mistral_sliding", "gpt2"])
+@pytest.mark.parametrize("window", [None, 8])
+def test_target_and_drafter_caches_after_every_round(arch, window):
+    target = tiny_target(arch)
+    torch.manual_seed(0)
+    drafter = CheckingDrafter(DFlash2Drafter.from_target(target, block_size=5, mask_token_id=MASK,
+                                                         context_window=window).config).double()
+    adapter = CheckingAdapter(target, drafter.target_layer_ids)
+    prompt = [3, 1, 4, 1, 5, 9]
+    result = spec_generate(drafter, adapter, torch.tensor([prompt]), max_new_tokens=25)
+    assert result.sequences[0].tolist() == hf_greedy(target, prompt, 25)
+    assert adapter.checked == result.num_rounds > 0
+    assert adapter.ids == result.sequences[0].tolist()[:-1]
+
+
+def test_target_cache_with_partial_acceptance():
+    """Partial acceptance crops mid-block: the oracle with corruptions makes it happen every round."""
+    target, prompt = tiny_target("qwen3"), [2, 7, 1, 8]
+    reference = hf_greedy(target, prompt, 30)
+    stub = oracle_drafter(8, reference, corrupt_every=4)
+    adapter = CheckingAdapter(target, stub.target_layer_ids)
+    result = spec_generate(stub, adapter, torch.tensor([prompt]), max_new_tokens=30)
+    assert result.sequences[0].tolist() == reference
+    assert 1 < max(result.acceptance_lengths) < 8 and adapter.checked == result.num_rounds

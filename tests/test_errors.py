@@ -1,0 +1,102 @@
+"""Bad input gets a clear ValueError / TypeError / NotImplementedError naming the problem."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from dflash2 import DFlash2Config, DFlash2Drafter, ar_generate, spec_generate
+from tests.helpers import MASK, tiny_target
+
+BASE = dict(hidden_size=32, vocab_size=48, num_target_layers=4)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(block_size=0), "block_size"),
+    (dict(hidden_size=40, conv_group_size=16), "not divisible by conv_group_size"),
+    (dict(target_layer_ids=(1, 4)), r"target_layer_ids \[4\] out of range"),
+    (dict(target_layer_ids=(-1,)), "out of range"),
+    (dict(target_layer_ids=(1, 1)), "duplicates"),
+    (dict(mask_token_id=48), "mask_token_id 48 is out of range"),
+    (dict(conv="three_tap"), "conv must be one of"),
+    (dict(selector="beam"), "selector must be one of"),
+    (dict(selector_top_k=49), "selector_top_k"),
+    (dict(num_attention_heads=4, num_key_value_heads=3), "num_key_value_heads"),
+    (dict(context_window=3, block_size=8), "context_window"),
+    (dict(num_layers=0), "num_layers"),
+])
+def test_config_validation(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DFlash2Config(**{**BASE, **fields})
+
+
+def test_unknown_config_field():
+    with pytest.raises(ValueError, match="unknown DFlash2Config fields"):
+        DFlash2Config.from_dict({**BASE, "blocksize": 4})
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_target("qwen3")
+    return DFlash2Drafter.from_target(target, block_size=4, mask_token_id=MASK), target
+
+
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(temperature=-1.0), ValueError, "temperature"),
+    (dict(top_p=0.0), ValueError, "top_p"),
+    (dict(top_p=1.01), ValueError, "top_p"),
+    (dict(top_k=-3), ValueError, "top_k"),
+    (dict(max_new_tokens=-1), ValueError, "max_new_tokens"),
+    (dict(stop_token_ids=[48]), ValueError, "stop_token_ids"),
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "prompt is empty"),
+    (dict(input_ids=torch.zeros(1, 250, dtype=torch.long), max_new_tokens=10), ValueError, "maximum positions"),
+    (dict(input_ids=torch.tensor([[1.0, 2.0]])), TypeError, "dtype torch.long"),
+    (dict(input_ids=[[1, 2]]), TypeError, "LongTensor"),
+    (dict(input_ids=torch.tensor([[1, 99]])), ValueError, "outside the target vocabulary"),
+    (dict(input_ids=torch.ones(2, 3, dtype=torch.long)), ValueError, "batch 1"),
+])
+def test_generate_rejects_bad_input(pair, kwargs, error, message):
+    drafter, target = pair
+    call = dict(input_ids=PROMPT, max_new_tokens=5) | kwargs
+    ids = call.pop("input_ids")
+    with pytest.raises(error, match=message):
+        spec_generate(drafter, target, ids, **call)
+    with pytest.raises(error, match=message):
+        ar_generate(target, ids, **call)
+
+
+def test_drafter_and_target_must_fit(pair):
+    drafter, _ = pair
+    other_vocab = tiny_target("qwen3", vocab=40)
+    with pytest.raises(ValueError, match="vocab_size"):
+        spec_generate(drafter, other_vocab, PROMPT, max_new_tokens=3)
+    wide = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=48, hidden_size=64, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16)).double()
+    with pytest.raises(ValueError, match="hidden_size"):
+        spec_generate(drafter, wide, PROMPT, max_new_tokens=3)
+    with pytest.raises(ValueError, match="must equal the target"):
+        DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=64)
+
+
+def test_target_must_be_a_causal_lm(pair):
+    drafter, _ = pair
+    with pytest.raises(TypeError, match="Hugging Face causal LM"):
+        spec_generate(drafter, torch.nn.Linear(2, 2), PROMPT, max_new_tokens=3)
+
+
+def test_hybrid_targets_are_refused_clearly():
+    config = transformers.Qwen3NextConfig(
+        vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    target = transformers.Qwen3NextForCausalLM(config)
+    with pytest.raises(NotImplementedError, match="qwen3_next"):
+        DFlash2Drafter.from_target(target)
+    with pytest.raises(NotImplementedError, match="qwen3_next"):
+        ar_generate(target, PROMPT, max_new_tokens=2)

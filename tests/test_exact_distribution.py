@@ -1,0 +1,169 @@
+"""Sampling is lossless: the exact output distribution of spec_generate equals the AR distribution.
+
+Every random decision of drafting and verification goes through the injected RandomSource; the
+enumerator runs spec_generate once per branch of those decisions, on a real tiny float64 HF target
+with a 4-token vocabulary, and sums branch probabilities per output. The AR distribution is computed
+independently by brute force over all continuations. Then the same harness runs deliberately broken
+verifiers and drafters (mutants), and must see each one deviate.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+import dflash2.verify as verify_mod
+from dflash2 import DFlash2Drafter, Draft, SamplingParams, Verdict, process_logits, spec_generate
+from tests.helpers import StubDrafter, constant_drafter, enumerate_outcomes, exact_ar_distribution, max_abs_diff, tiny_target
+
+V, PROMPT, N_NEW, BLOCK = 4, [1, 2], 3, 3
+EXACT, DETECT = 1e-12, 1e-4
+
+
+@functools.lru_cache(maxsize=None)
+def target():
+    return tiny_target("qwen3", vocab=V, seed=3)
+
+
+@functools.lru_cache(maxsize=None)
+def dflash(selector: str, top_k: int = 2) -> DFlash2Drafter:
+    torch.manual_seed(11)
+    d = DFlash2Drafter.from_target(target(), block_size=BLOCK, selector=selector, selector_top_k=top_k,
+                                   selector_rank=4, mask_token_id=V - 1)
+    if selector != "argmax":  # a non-trivial pairwise term, so the walk's q depends on its path
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=3.0)
+    return d
+
+
+def spec_distribution(drafter, params: SamplingParams, stops=()):
+    def program(rng):
+        out = spec_generate(drafter, target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,
+                            temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                            stop_token_ids=list(stops), rng=rng)
+        return tuple(out.new_tokens.tolist())
+
+    return enumerate_outcomes(program)
+
+
+def ar_distribution(params: SamplingParams, stops=()):
+    return exact_ar_distribution(target(), PROMPT, N_NEW, lambda l: process_logits(l, params), frozenset(stops))
+
+
+PARAMS = {
+    "T1": SamplingParams(1.0),
+    "T0.7_topk2": SamplingParams(0.7, top_k=2),
+    "T1.3_topp0.8": SamplingParams(1.3, top_p=0.8),
+    "T1_topk3_topp0.9": SamplingParams(1.0, top_k=3, top_p=0.9),
+}
+DRAFTERS = {
+    "fixed_path": lambda: constant_drafter(BLOCK, 0),
+    "fixed_path_mask_id": lambda: constant_drafter(BLOCK, V - 1),
+    "argmax": lambda: dflash("argmax"),
+    "viterbi": lambda: dflash("viterbi"),
+    "sampled_walk_sparse_q": lambda: dflash("walk", top_k=2),
+    "sampled_walk_full_q": lambda: dflash("walk", top_k=V),
+}
+
+
+CASES = [(d, p) for d in DRAFTERS for p in PARAMS
+         # the full-q walk branches 4096 ways at T=1; two truncated settings cover it in the default run
+         if not (d == "sampled_walk_full_q" and p in ("T1", "T1.3_topp0.8"))]
+
+
+@pytest.mark.parametrize("drafter_name, params_name", CASES)
+def test_exact_distribution(drafter_name, params_name, record_property):
+    params = PARAMS[params_name]
+    got, branches = spec_distribution(DRAFTERS[drafter_name](), params)
+    want = ar_distribution(params)
+    record_property("branches", branches)
+    print(f"{drafter_name} {params_name}: {branches} branches, {len(want)} outcomes")
+    assert abs(sum(got.values()) - 1.0) < EXACT
+    assert max_abs_diff(got, want) < EXACT
+
+
+def test_exact_distribution_with_stop_token():
+    params = SamplingParams(1.0)
+    for name in ("fixed_path", "sampled_walk_sparse_q"):
+        got, _ = spec_distribution(DRAFTERS[name](), params, stops=(0,))
+        assert max_abs_diff(got, ar_distribution(params, stops=(0,))) < EXACT
+
+
+def test_exact_distribution_block_of_four():
+    params = SamplingParams(0.9, top_k=3)
+    d = dflash("walk", top_k=2).config
+    drafter = DFlash2Drafter(d.replace(block_size=4)).double()
+    with torch.no_grad():
+        torch.nn.init.normal_(drafter.candidate_selector.hidden_projection.weight, std=3.0)
+    got, _ = spec_distribution(drafter, params)
+    assert max_abs_diff(got, ar_distribution(params)) < EXACT
+
+
+# -- mutants: each must be caught ----------------------------------------------------------------------
+def fresh_resample_deterministic(tokens, probs, rng):
+    for i, d in enumerate(tokens.tolist()):
+        if rng.categorical(probs[i]) != d:
+            return Verdict(i, rng.categorical(probs[i]))  # BUG: a fresh draw instead of X itself
+    return Verdict(len(tokens), rng.categorical(probs[len(tokens)]))
+
+
+def fresh_resample_stochastic(draft, probs, rng):
+    for i, d in enumerate(draft.tokens.tolist()):
+        q = torch.zeros_like(probs[i]).index_add_(0, draft.q_ids[i], draft.q_probs[i].to(probs.dtype))
+        if not rng.bernoulli(min(1.0, float(probs[i, d] / q[d]))):
+            return Verdict(i, rng.categorical(probs[i]))  # BUG: p̃ instead of the residual
+    return Verdict(len(draft.tokens), rng.categorical(probs[len(draft.tokens)]))
+
+
+def bonus_wrong_position(tokens, probs, rng):
+    for i, d in enumerate(tokens.tolist()):
+        x = rng.categorical(probs[i])
+        if x != d:
+            return Verdict(i, x)
+    return Verdict(len(tokens), rng.categorical(probs[len(tokens) - 1]))  # BUG: off by one
+
+
+def typical_acceptance(tokens, probs, rng):
+    for i, d in enumerate(tokens.tolist()):
+        if float(probs[i, d]) < 0.2:  # BUG: accept anything plausible enough
+            return Verdict(i, rng.categorical(probs[i]))
+    return Verdict(len(tokens), rng.categorical(probs[len(tokens)]))
+
+
+class SoftmaxQForArgmaxDrafts(StubDrafter):
+    """BUG in the drafter contract: tokens are argmaxes, but q claims softmax probabilities."""
+
+    def __init__(self):
+        super().__init__(BLOCK, lambda anchor, pos: [0] * (BLOCK - 1))
+
+    def propose(self, cache, anchor, new_features, target, temperature, rng):
+        tokens = super().propose(cache, anchor, new_features, target, temperature, rng).tokens
+        q = torch.tensor([[0.6, 0.3, 0.1]] * len(tokens), dtype=torch.float64)
+        return Draft(tokens, torch.tensor([[0, 1, 2]] * len(tokens)), q)
+
+
+MUTANTS = {
+    "fresh_resample_after_rejection": ("verify_deterministic", fresh_resample_deterministic, "fixed_path"),
+    "fresh_resample_after_rejection_stochastic": ("verify_stochastic", fresh_resample_stochastic,
+                                                  "sampled_walk_sparse_q"),
+    "bonus_from_wrong_position": ("verify_deterministic", bonus_wrong_position, "fixed_path"),
+    "typical_acceptance": ("verify_deterministic", typical_acceptance, "fixed_path"),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_mutant_verifier_is_detected(mutant, monkeypatch):
+    name, broken, drafter_name = MUTANTS[mutant]
+    monkeypatch.setattr(verify_mod, name, broken)
+    params = PARAMS["T1"]
+    got, _ = spec_distribution(DRAFTERS[drafter_name](), params)
+    deviation = max_abs_diff(got, ar_distribution(params))
+    print(f"{mutant}: max deviation {deviation:.3g}")
+    assert deviation > DETECT
+
+
+def test_mutant_softmax_q_with_argmax_drafts_is_detected():
+    params = PARAMS["T1"]
+    got, _ = spec_distribution(SoftmaxQForArgmaxDrafts(), params)
+    assert max_abs_diff(got, ar_distribution(params)) > DETECT

@@ -1,0 +1,235 @@
+"""Module-level properties: the dynamic convolution, candidate heads, selectors, save/load."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+
+from dflash2 import (CandidateHead,  DFlash2Drafter, TargetAdapter, TorchRandom,
+                     TwoTapDynamicConv, default_target_layer_ids, viterbi_path)
+from dflash2.layers import SwiGLU
+from tests.helpers import MASK, tiny_target
+
+
+def perturbed_conv(H=32, B=6, taps=2, group=8, seed=0) -> TwoTapDynamicConv:
+    torch.manual_seed(seed)
+    conv = TwoTapDynamicConv(H, B, taps, group).double()
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    return conv
+
+
+# -- two-tap dynamic convolution -------------------------------------------------------------------
+@settings(max_examples=40)
+@given(taps=st.integers(1, 3), position=st.integers(0, 11), seed=st.integers(0, 10_000))
+def test_conv_is_causal_inside_the_block_and_blind_across_blocks(taps, position, seed):
+    B, H = 6, 32
+    conv = perturbed_conv(H, B, taps, seed=seed)
+    mlp = SwiGLU(H, 16).double()  # a position-wise sublayer
+    x = torch.randn(2, 2 * B, H, dtype=torch.float64)  # two blocks side by side
+    y = conv(x, mlp)
+    x2 = x.clone()
+    x2[:, position] += torch.randn(H, dtype=torch.float64)
+    y2 = conv(x2, mlp)
+    block_start = (position // B) * B
+    unchanged = [i for i in range(2 * B) if i < position or i >= block_start + B]
+    torch.testing.assert_close(y2[:, unchanged], y[:, unchanged], rtol=0, atol=0)
+    assert not torch.allclose(y2[:, position], y[:, position])
+
+
+def test_conv_second_tap_sees_left_neighbour():
+    conv = perturbed_conv()
+    x = torch.randn(1, 6, 32, dtype=torch.float64)
+    x2 = x.clone()
+    x2[:, 2] += 1.0
+    changed = (conv(x2, lambda h: h) - conv(x, lambda h: h)).abs().amax(-1)[0]
+    assert changed[3] > 0 and changed[4] > 0  # pre-conv then post-conv: two hops to the right
+
+
+def test_conv_is_identity_at_init():
+    torch.manual_seed(0)
+    conv = TwoTapDynamicConv(32, 4, 2, 16).double()
+    mlp = SwiGLU(32, 16).double()
+    x = torch.randn(3, 8, 32, dtype=torch.float64)
+    torch.testing.assert_close(conv(x, mlp), mlp(x), rtol=0, atol=0)
+
+
+def test_dflash2_at_init_equals_dflash1_with_the_same_weights():
+    """Identity init means a DFlash-1 checkpoint warm-starts DFlash 2 exactly."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(0)
+    v1 = DFlash2Drafter.from_target(target, block_size=4, conv="none", selector="argmax", num_layers=2,
+                                    mask_token_id=MASK)
+    v2 = DFlash2Drafter(v1.config.replace(conv="two_tap")).double()
+    missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in k for k in missing)
+    adapter = TargetAdapter(target, v1.target_layer_ids)
+    feats = adapter.forward(torch.tensor([[3, 4, 5, 6, 7]]), adapter.new_cache()).features
+    outs = []
+    for d in (v1, v2):
+        cache = d.new_cache()
+        d.backbone.extend_context(cache, feats)
+        outs.append(d.block_hidden(cache, 9, adapter))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_conv_rejects_bad_group_size():
+    with pytest.raises(ValueError, match="conv_group_size"):
+        TwoTapDynamicConv(30, 4, 2, 16)
+
+
+# -- candidates and selectors ------------------------------------------------------------------------
+def test_candidate_head_top_k_sorted():
+    logits = torch.randn(2, 5, 40)
+    c = CandidateHead(7)(logits)
+    assert c.ids.shape == c.scores.shape == (2, 5, 7)
+    torch.testing.assert_close(c.scores, logits.gather(-1, c.ids))
+    assert (c.scores[..., :-1] >= c.scores[..., 1:]).all()
+    assert CandidateHead(100)(logits).ids.shape[-1] == 40
+
+
+def brute_force_best(first: torch.Tensor, steps: torch.Tensor) -> float:
+    K, L = first.shape[0], steps.shape[0] + 1
+    best = -float("inf")
+    for path in itertools.product(range(K), repeat=L):
+        score = first[path[0]] + sum(steps[t - 1, path[t - 1], path[t]] for t in range(1, L))
+        best = max(best, float(score))
+    return best
+
+
+def path_score(first, steps, path) -> float:
+    return float(first[path[0]] + sum(steps[t - 1, path[t - 1], path[t]] for t in range(1, len(path))))
+
+
+@settings(max_examples=200)
+@given(L=st.integers(1, 5), K=st.integers(1, 4), seed=st.integers(0, 2**31 - 1))
+def test_viterbi_finds_the_maximum_score_path(L, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    first = torch.randn(K, generator=g, dtype=torch.float64)
+    steps = torch.randn(L - 1, K, K, generator=g, dtype=torch.float64)
+    path = viterbi_path(first, steps).tolist()
+    assert len(path) == L
+    assert path_score(first, steps, path) == pytest.approx(brute_force_best(first, steps), abs=1e-12)
+
+
+def selector_drafter(kind: str, K: int = 4, zero_edges: bool = False, seed: int = 0) -> DFlash2Drafter:
+    torch.manual_seed(seed)
+    d = DFlash2Drafter.from_target(tiny_target("qwen3"), block_size=6, selector=kind, selector_top_k=K,
+                                   selector_rank=8, mask_token_id=MASK)
+    if kind != "argmax" and not zero_edges:
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+    return d
+
+
+def random_lattice(seed: int, L=5, K=4, V=48, H=32):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(L, V, generator=g, dtype=torch.float64)
+    return CandidateHead(K)(logits), torch.randn(L, H, generator=g, dtype=torch.float64)
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 2**31 - 1), anchor=st.integers(0, 47))
+@torch.no_grad()
+def test_viterbi_selector_beats_or_ties_walk_and_argmax(seed, anchor):
+    cands, hidden = random_lattice(seed)
+    viterbi, walk = selector_drafter("viterbi"), selector_drafter("walk")
+    walk.candidate_selector.load_state_dict(viterbi.candidate_selector.state_dict())
+    with torch.no_grad():
+        first, steps = viterbi.candidate_selector.lattice(cands, hidden, anchor)
+    rng = TorchRandom()
+    score = lambda draft: path_score(first, steps, [int((cands.ids[t] == tok).nonzero()) for t, tok in
+                                                    enumerate(draft.tokens.tolist())])
+    best = score(viterbi.candidate_selector(cands, hidden, anchor, 0.0, rng))
+    assert best == pytest.approx(brute_force_best(first, steps), abs=1e-9)
+    assert best >= score(walk.candidate_selector(cands, hidden, anchor, 0.0, rng)) - 1e-12
+    assert best >= path_score(first, steps, [0] * len(cands.ids)) - 1e-12  # the argmax path
+
+
+@settings(max_examples=50)
+@given(seed=st.integers(0, 2**31 - 1), anchor=st.integers(0, 47))
+def test_walk_equals_viterbi_when_edge_scores_are_zero(seed, anchor):
+    cands, hidden = random_lattice(seed)
+    rng = TorchRandom()
+    paths = [selector_drafter(kind, zero_edges=True).candidate_selector(cands, hidden, anchor, 0.0, rng).tokens
+             for kind in ("walk", "viterbi", "argmax")]
+    assert torch.equal(paths[0], paths[1]) and torch.equal(paths[1], paths[2])
+
+
+def test_sampled_walk_returns_the_q_it_sampled_from():
+    cands, hidden = random_lattice(1)
+    draft = selector_drafter("walk").candidate_selector(cands, hidden, 3, 0.8, TorchRandom(torch.Generator().manual_seed(0)))
+    assert draft.stochastic and draft.q_probs.shape == draft.q_ids.shape == (5, 4)
+    torch.testing.assert_close(draft.q_probs.sum(-1), torch.ones(5, dtype=torch.float64))
+    for t, tok in enumerate(draft.tokens.tolist()):
+        assert draft.q_probs[t][draft.q_ids[t] == tok].item() > 0
+    for kind in ("viterbi", "argmax"):  # deterministic paths at any temperature
+        assert not selector_drafter(kind).candidate_selector(cands, hidden, 3, 0.8, TorchRandom()).stochastic
+
+
+# -- configs, from_target, save/load -------------------------------------------------------------------
+def test_default_target_layer_ids_match_the_reference():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(4) == (0, 2, 3)
+
+
+def test_from_target_reads_sizes_from_the_target():
+    target = tiny_target("gpt2")
+    d = DFlash2Drafter.from_target(target, block_size=8)
+    c = d.config
+    assert (c.hidden_size, c.vocab_size, c.num_target_layers) == (32, 48, 4)
+    assert next(d.parameters()).dtype == torch.float64
+    assert not any("embed" in k or "lm_head" in k for k in d.state_dict())
+
+
+VARIANTS = [dict(conv=c, selector=s) for c in ("two_tap", "none") for s in ("walk", "viterbi", "argmax")]
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: f"{v['conv']}-{v['selector']}")
+def test_save_load_round_trip(variant, tmp_path):
+    target = tiny_target("qwen3")
+    torch.manual_seed(0)
+    d = DFlash2Drafter.from_target(target, block_size=5, num_layers=2, selector_top_k=4, selector_rank=8,
+                                   mask_token_id=MASK, context_window=9, **variant)
+    for p in d.parameters():  # move away from init so the round trip is not trivially true
+        torch.nn.init.normal_(p, std=0.2)
+    d.save_pretrained(tmp_path)
+    e = DFlash2Drafter.from_pretrained(tmp_path)
+    assert e.config == d.config
+    assert d.state_dict().keys() == e.state_dict().keys()
+    for k, v in d.state_dict().items():
+        assert torch.equal(v, e.state_dict()[k]) and v.dtype == e.state_dict()[k].dtype
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    feats = adapter.forward(torch.tensor([[1, 2, 3, 4, 5, 6, 7]]), adapter.new_cache()).features
+    drafts = []
+    for m in (d, e):
+        drafts.append(m.propose(m.new_cache(), 4, feats, adapter, 0.7, TorchRandom(torch.Generator().manual_seed(5))))
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+
+
+def test_from_pretrained_is_strict(tmp_path):
+    d = DFlash2Drafter.from_target(tiny_target("qwen3"), block_size=4, mask_token_id=MASK)
+    d.save_pretrained(tmp_path)
+    state = load_file(str(tmp_path / "model.safetensors"))
+    extra = dict(state, **{"stray.weight": torch.zeros(1)})
+    save_file(extra, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="unexpected"):
+        DFlash2Drafter.from_pretrained(tmp_path)
+    state.pop("backbone.fc.weight")
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="missing"):
+        DFlash2Drafter.from_pretrained(tmp_path)
+    meta = json.loads((tmp_path / "config.json").read_text())
+    meta["block_sise"] = 3
+    (tmp_path / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match="block_sise"):
+        DFlash2Drafter.from_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError):
+        DFlash2Drafter.from_pretrained(tmp_path / "nope")
