@@ -18,7 +18,8 @@ import dflash2.verify as verify_mod
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, Verdict, process_logits, spec_generate
 from tests.helpers import StubDrafter, constant_drafter, enumerate_outcomes, exact_ar_distribution, max_abs_diff, tiny_target
 
-V, PROMPT, N_NEW, BLOCK = 4, [1, 2], 3, 3
+# 4 new tokens with blocks of 3: the first round verifies a full 2-token draft plus its bonus.
+V, PROMPT, N_NEW, BLOCK = 3, [1, 2], 4, 3
 EXACT, DETECT = 1e-12, 1e-4
 
 
@@ -37,11 +38,14 @@ def dflash(selector: str, top_k: int = 2) -> DFlash2Drafter:
     return d
 
 
-def spec_distribution(drafter, params: SamplingParams, stops=()):
+def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None):
+    """Exact output distribution and branch count; `lengths` collects every round's acceptance length."""
     def program(rng):
         out = spec_generate(drafter, target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             stop_token_ids=list(stops), rng=rng)
+        if lengths is not None:
+            lengths.update(out.acceptance_lengths)
         return tuple(out.new_tokens.tolist())
 
     return enumerate_outcomes(program)
@@ -55,7 +59,7 @@ PARAMS = {
     "T1": SamplingParams(1.0),
     "T0.7_topk2": SamplingParams(0.7, top_k=2),
     "T1.3_topp0.8": SamplingParams(1.3, top_p=0.8),
-    "T1_topk3_topp0.9": SamplingParams(1.0, top_k=3, top_p=0.9),
+    "T1_topk2_topp0.9": SamplingParams(1.0, top_k=2, top_p=0.9),
 }
 DRAFTERS = {
     "fixed_path": lambda: constant_drafter(BLOCK, 0),
@@ -74,13 +78,14 @@ CASES = [(d, p) for d in DRAFTERS for p in PARAMS
 
 @pytest.mark.parametrize("drafter_name, params_name", CASES)
 def test_exact_distribution(drafter_name, params_name, record_property):
-    params = PARAMS[params_name]
-    got, branches = spec_distribution(DRAFTERS[drafter_name](), params)
+    params, lengths = PARAMS[params_name], set()
+    got, branches = spec_distribution(DRAFTERS[drafter_name](), params, lengths=lengths)
     want = ar_distribution(params)
     record_property("branches", branches)
-    print(f"{drafter_name} {params_name}: {branches} branches, {len(want)} outcomes")
+    print(f"{drafter_name} {params_name}: {branches} branches, {len(want)} outcomes, round lengths {sorted(lengths)}")
     assert abs(sum(got.values()) - 1.0) < EXACT
     assert max_abs_diff(got, want) < EXACT
+    assert max(lengths) >= 2, "no branch accepted a draft token: the test would be hollow"
 
 
 def test_exact_distribution_with_stop_token():
@@ -91,7 +96,7 @@ def test_exact_distribution_with_stop_token():
 
 
 def test_exact_distribution_block_of_four():
-    params = SamplingParams(0.9, top_k=3)
+    params = SamplingParams(0.9, top_k=2)
     d = dflash("walk", top_k=2).config
     drafter = DFlash2Drafter(d.replace(block_size=4)).double()
     with torch.no_grad():
@@ -139,24 +144,24 @@ class SoftmaxQForArgmaxDrafts(StubDrafter):
 
     def propose(self, cache, anchor, new_features, target, temperature, rng):
         tokens = super().propose(cache, anchor, new_features, target, temperature, rng).tokens
-        q = torch.tensor([[0.6, 0.3, 0.1]] * len(tokens), dtype=torch.float64)
-        return Draft(tokens, torch.tensor([[0, 1, 2]] * len(tokens)), q)
+        q = torch.tensor([[0.6, 0.4]] * len(tokens), dtype=torch.float64)
+        return Draft(tokens, torch.tensor([[0, 1]] * len(tokens)), q)
 
 
-MUTANTS = {
-    "fresh_resample_after_rejection": ("verify_deterministic", fresh_resample_deterministic, "fixed_path"),
+MUTANTS = {  # name: (function replaced, mutant, drafter, sampling)
+    "fresh_resample_after_rejection": ("verify_deterministic", fresh_resample_deterministic, "fixed_path", "T1"),
     "fresh_resample_after_rejection_stochastic": ("verify_stochastic", fresh_resample_stochastic,
-                                                  "sampled_walk_sparse_q"),
-    "bonus_from_wrong_position": ("verify_deterministic", bonus_wrong_position, "fixed_path"),
-    "typical_acceptance": ("verify_deterministic", typical_acceptance, "fixed_path"),
+                                                  "sampled_walk_sparse_q", "T0.7_topk2"),
+    "bonus_from_wrong_position": ("verify_deterministic", bonus_wrong_position, "fixed_path", "T1"),
+    "typical_acceptance": ("verify_deterministic", typical_acceptance, "fixed_path", "T1"),
 }
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_mutant_verifier_is_detected(mutant, monkeypatch):
-    name, broken, drafter_name = MUTANTS[mutant]
+    name, broken, drafter_name, params_name = MUTANTS[mutant]
     monkeypatch.setattr(verify_mod, name, broken)
-    params = PARAMS["T1"]
+    params = PARAMS[params_name]
     got, _ = spec_distribution(DRAFTERS[drafter_name](), params)
     deviation = max_abs_diff(got, ar_distribution(params))
     print(f"{mutant}: max deviation {deviation:.3g}")
