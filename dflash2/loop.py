@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -93,12 +93,15 @@ class GenerationResult:
 
 def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
-                  generator: torch.Generator | None = None, rng: RandomSource | None = None) -> GenerationResult:
+                  generator: torch.Generator | None = None, rng: RandomSource | None = None,
+                  on_commit: Callable[[list[int], int], None] | None = None) -> GenerationResult:
     """Lossless speculative decoding of one sequence: greedy output equals the target's greedy output,
     sampled output has exactly the target's processed distribution (temperature → top-k → top-p).
 
     target: an HF causal LM, or a TargetAdapter around one. input_ids: [1, T] or [T] long prompt.
     `rng` overrides `generator` (tests inject a source that enumerates every random branch).
+    `on_commit(tokens, n_drafted)` is called as tokens are committed (streaming): the first
+    `n_drafted` of them are accepted draft tokens, the rest come from the target itself.
     """
     params = SamplingParams(temperature, top_k, top_p)
     tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target, drafter.target_layer_ids)
@@ -121,6 +124,8 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         anchor = _choose(step.logits[0, -1], params, rng)
         tokens.append(anchor)
         new_features = step.features
+        if on_commit:
+            on_commit([anchor], 0)
         sync()
         timings["prefill_s"] = time.perf_counter() - start
         finish = "stop" if anchor in stops else "length"
@@ -141,6 +146,8 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             timings["verify_s"] += time.perf_counter() - t1
             tokens += committed
             lengths.append(len(committed))
+            if on_commit:
+                on_commit(committed, min(verdict.num_accepted, len(committed)))
             anchor = committed[-1]
             new_features = None if step.features is None else step.features[:, : verdict.num_accepted + 1]
             finish = "stop" if stopped else "length"
@@ -151,11 +158,12 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
 
 def ar_generate(target, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
                 top_p: float = 1.0, stop_token_ids=None, generator: torch.Generator | None = None,
-                rng: RandomSource | None = None) -> GenerationResult:
+                rng: RandomSource | None = None,
+                on_commit: Callable[[list[int], int], None] | None = None) -> GenerationResult:
     """Plain autoregressive decoding: the same loop with a drafter that drafts nothing."""
     return spec_generate(AutoregressiveDrafter(), target, input_ids, max_new_tokens=max_new_tokens,
                          temperature=temperature, top_k=top_k, top_p=top_p, stop_token_ids=stop_token_ids,
-                         generator=generator, rng=rng)
+                         generator=generator, rng=rng, on_commit=on_commit)
 
 
 def _choose(logits: Tensor, params: SamplingParams, rng: RandomSource) -> int:

@@ -1,0 +1,194 @@
+"""`python -m dflash2.generate`: watch speculative decoding commit tokens, one round at a time.
+
+With no model flags it runs a tiny *randomly initialised* target and drafter built in memory (the
+trained embedded pair is not shipped yet), so expect τ ≈ 1: the point is the loop, not the drafts.
+With `--target` and `--drafter` (local directories or hub ids) it runs real models.
+
+Accepted draft tokens are shown in green, tokens the target produced itself in the default colour.
+Bad flags, missing paths or a pair that does not fit print one line on stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from .config import DFlash2Config
+from .drafter import DFlash2Drafter
+from .loop import ar_generate, spec_generate
+from .sampling import SamplingParams
+
+GREEN, RESET = "\033[32m", "\033[0m"
+DEFAULT_PROMPT = "def fibonacci(n):\n    "
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: reported in one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, not usage + error
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m dflash2.generate", description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    p.add_argument("--target", help="HF causal LM: local directory or hub id (needs --drafter)")
+    p.add_argument("--drafter", help="DFlash2Drafter directory written by save_pretrained")
+    p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields for the random demo drafter")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-size", type=int, help="override the drafter's block size")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--compare-ar", action="store_true", help="also decode with plain AR and report the speedup")
+    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(build_parser().parse_args(argv))
+    except (UsageError, ValueError, TypeError, OSError, NotImplementedError, KeyError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if bool(args.target) != bool(args.drafter):
+        raise UsageError("--target and --drafter go together")
+    SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before building anything
+    if args.block_size is not None and args.block_size < 1:
+        raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    torch.manual_seed(args.seed)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    if args.target:
+        encode, decode, target, drafter = load_real_pair(args, dtype)
+    else:
+        encode, decode, target, drafter = random_demo_pair(args, dtype or torch.float32)
+    if args.block_size is not None:
+        drafter = with_block_size(drafter, args.block_size)
+    prompt_ids = encode(args.prompt).to(args.device)
+
+    color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
+
+    def show(tokens: list[int], n_drafted: int) -> None:
+        drafted, own = decode(tokens[:n_drafted]), decode(tokens[n_drafted:])
+        sys.stdout.write((f"{GREEN}{drafted}{RESET}" if color and drafted else drafted) + own)
+        sys.stdout.flush()
+
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, stop_token_ids=stop_ids(target))
+    sys.stdout.write(args.prompt)
+    spec = spec_generate(drafter, target, prompt_ids, on_commit=show,
+                         generator=torch.Generator(device=args.device).manual_seed(args.seed), **sampling)
+    n = spec.new_tokens.numel()
+    print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s"
+          f" ({'green: accepted draft tokens' if color else 'block size ' + str(drafter.config.block_size)})")
+    if args.compare_ar:
+        ar = ar_generate(target, prompt_ids, generator=torch.Generator(device=args.device).manual_seed(args.seed),
+                         **sampling)
+        print(f"AR: {ar.tokens_per_s:.1f} tokens/s; speedup {spec.tokens_per_s / max(ar.tokens_per_s, 1e-9):.2f}x")
+        if args.temperature == 0:
+            same = torch.equal(ar.sequences, spec.sequences)
+            print(f"greedy outputs identical: {'yes' if same else 'NO (this is a bug: please report it)'}")
+            return 0 if same else 1
+    return 0
+
+
+def random_demo_pair(args, dtype: torch.dtype):
+    """A tiny random Qwen3 target over bytes and a random drafter: shows the loop, not real drafting."""
+    import transformers
+
+    print("note: no --target given; using a tiny randomly initialised model pair (the trained embedded pair "
+          "is not shipped yet), so drafts are rarely accepted (τ ≈ 1).\n", file=sys.stderr)
+    vocab = 260  # 256 bytes + 4 specials; the mask token is the last id
+    config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=4096)
+    target = transformers.Qwen3ForCausalLM(config).to(device=args.device, dtype=dtype).eval()
+    fields = load_config_fields(args.config) if args.config else {}
+    fields.setdefault("mask_token_id", vocab - 1)
+    fields.setdefault("block_size", 8)
+    drafter = DFlash2Drafter.from_target(target, **fields).eval()
+
+    def encode(text: str) -> torch.Tensor:
+        ids = list(text.encode("utf-8"))
+        if not ids:
+            raise UsageError("--prompt is empty")
+        return torch.tensor([ids])
+
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(i) if 32 <= i < 127 or i == 10 else "·" for i in ids)
+
+    return encode, decode, target, drafter
+
+
+def load_real_pair(args, dtype: torch.dtype | None):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    drafter = DFlash2Drafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype or drafter.backbone.fc.weight.dtype)
+    target = target.to(args.device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(args.target)
+
+    def encode(text: str) -> torch.Tensor:
+        if args.chat:
+            if not getattr(tokenizer, "chat_template", None):
+                raise UsageError(f"--chat: the tokenizer of {args.target} has no chat template")
+            text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                 add_generation_prompt=True)
+        ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
+        if ids.numel() == 0:
+            raise UsageError("--prompt is empty")
+        return ids
+
+    return encode, (lambda ids: tokenizer.decode(ids)), target, drafter
+
+
+def with_block_size(drafter: DFlash2Drafter, block_size: int) -> DFlash2Drafter:
+    weight = drafter.backbone.fc.weight
+    resized = DFlash2Drafter(drafter.config.replace(block_size=block_size)).to(device=weight.device, dtype=weight.dtype)
+    resized.load_state_dict(drafter.state_dict())
+    return resized.eval()
+
+
+def load_config_fields(path: Path) -> dict:
+    import yaml
+
+    if not path.is_file():
+        raise UsageError(f"--config {path}: no such file")
+    fields = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(fields, dict):
+        raise UsageError(f"--config {path}: expected a mapping of DFlash2Config fields")
+    unknown = sorted(set(fields) - set(DFlash2Config.__dataclass_fields__))
+    if unknown:
+        raise UsageError(f"--config {path}: unknown DFlash2Config fields {unknown}")
+    return fields  # values are validated when the drafter is built
+
+
+def stop_ids(target) -> list[int] | None:
+    eos = getattr(target.generation_config, "eos_token_id", None)
+    if eos is None:
+        return None
+    return [eos] if isinstance(eos, int) else list(eos)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
