@@ -50,7 +50,7 @@ class KVInjectionAttention(nn.Module):
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
     def project_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, T, H], positions [T] → k, v [N, kv_heads, T, hd] (k normed and rotated)."""
+        """x [N, T, H], positions [T] or [N, T] → k, v [N, kv_heads, T, hd] (k normed and rotated)."""
         N, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -59,7 +59,8 @@ class KVInjectionAttention(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, context_k: Tensor, context_v: Tensor,
                 mask: Tensor | None = None) -> Tensor:
-        """x [N, T, H] at positions [T]; context_k/v [N, kv_heads, C, hd]; mask [T, C+T] or None."""
+        """x [N, T, H] at positions [T] or [N, T]; context_k/v [N, kv_heads, C, hd];
+        mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible)."""
         N, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, T, hd)
         cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
@@ -118,12 +119,12 @@ class BlockDiffusionBackbone(nn.Module):
 
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """features [N, C, F] at positions [C] → per layer (k, v), each [N, kv_heads, C, hd]."""
+        features = features.to(self.fc.weight.dtype)
         fused = self.fuse(features)
         return [layer.self_attn.project_kv(fused, positions) for layer in self.layers]
 
     def extend_context(self, cache: ContextCache, features: Tensor) -> ContextCache:
         """Append features [N, n, F] for positions cache.length .. cache.length+n-1 (in place)."""
-        features = features.to(self.fc.weight.dtype)
         n = features.shape[1]
         positions = torch.arange(cache.length, cache.length + n, device=features.device)
         new = self.context_kv(features, positions)
@@ -141,7 +142,8 @@ class BlockDiffusionBackbone(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
                 mask: Tensor | None = None) -> Tensor:
-        """x [N, T, H] block embeddings; context per-layer (k, v) [N, kv, C, hd]; mask [T, C+T]."""
+        """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
+        [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None."""
         for layer, (k, v) in zip(self.layers, context):
             x = layer(x, positions, k, v, mask)
         return self.norm(x)

@@ -40,21 +40,24 @@ class SwiGLU(nn.Module):
 
 
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [T] (absolute) → cos, sin [T, head_dim] in `dtype`."""
+    """positions [T] or [N, T] (absolute) → cos, sin [T, hd] or [N, 1, T, hd] (broadcast over heads)."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # [T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)  # [T, hd]
+    angles = positions.to(torch.float64)[..., None] * inv_freq  # [..., T, hd/2]
+    emb = torch.cat([angles, angles], dim=-1)  # [..., T, hd]
+    if positions.dim() == 2:
+        emb = emb[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, heads, T, hd] rotated by cos/sin [T, hd] (rotate-half convention)."""
+    """x [N, heads, T, hd] rotated by cos/sin [T, hd] or [N, 1, T, hd] (rotate-half convention)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
-    """q [N, h, Tq, d], k/v [N, h_kv, Tk, d], mask [Tq, Tk] bool (True = attend) or None → [N, h, Tq, d].
+    """q [N, h, Tq, d], k/v [N, h_kv, Tk, d], mask bool (True = attend) broadcastable to [N, h, Tq, Tk]
+    ([Tq, Tk] or [N, 1, Tq, Tk]) or None → [N, h, Tq, d].
 
     Grouped-query heads are expanded here. flash-attn is used when importable, on CUDA, in half
     precision and without a mask; PyTorch SDPA otherwise.

@@ -100,14 +100,13 @@ class TargetAdapter:
         if remove:
             cache.crop(-remove)
 
-    @torch.no_grad()
     def embed(self, ids: Tensor) -> Tensor:
         """ids [...] → [..., H] with the target's frozen input embedding."""
         return self.model.get_input_embeddings()(ids)
 
-    @torch.no_grad()
     def lm_logits(self, hidden: Tensor) -> Tensor:
-        """hidden [..., H] → [..., V] with the target's frozen LM head."""
+        """hidden [..., H] → [..., V] with the target's frozen LM head (differentiable in `hidden`:
+        training backpropagates through it; the head's own weights stay frozen)."""
         return self.model.get_output_embeddings()(hidden)
 
 
