@@ -9,6 +9,7 @@ from .backbone import BlockDiffusionBackbone, ContextCache
 from .config import DFlash2Config, default_target_layer_ids
 from .conv import NoConv, TwoTapDynamicConv
 from .drafter import DFlash2Drafter
+from .embedded import load_embedded
 from .heads import CandidateHead, Candidates
 from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_generate
 from .rng import RandomSource, TorchRandom
@@ -23,6 +24,6 @@ __all__ = [
     "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
     "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
     "SamplingParams", "TargetAdapter", "TorchRandom", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
-    "WalkSelector", "ar_generate", "commit", "default_target_layer_ids", "greedy_token", "process_logits",
+    "WalkSelector", "ar_generate", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",
     "spec_generate", "verify_block", "viterbi_path",
 ]

@@ -1,7 +1,8 @@
 """`python -m dflash2.generate`: watch speculative decoding commit tokens, one round at a time.
 
-With no model flags it runs a tiny *randomly initialised* target and drafter built in memory (the
-trained embedded pair is not shipped yet), so expect τ ≈ 1: the point is the loop, not the drafts.
+With no model flags it runs the embedded pair shipped in the package (`--variant dflash2|dflash1`);
+while that is not shipped, a tiny *randomly initialised* target and drafter built in memory, which
+says so (expect τ ≈ 1 there: the point is the loop, not the drafts).
 With `--target` and `--drafter` (local directories or hub ids) it runs real models.
 
 Accepted draft tokens are shown in green, tokens the target produced itself in the default colour.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from . import embedded
 from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
@@ -40,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
     p.add_argument("--target", help="HF causal LM: local directory or hub id (needs --drafter)")
     p.add_argument("--drafter", help="DFlash2Drafter directory written by save_pretrained")
-    p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields for the random demo drafter")
+    p.add_argument("--variant", choices=embedded.VARIANTS, default="dflash2", help="embedded drafter to run")
+    p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields for a random demo drafter")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--block-size", type=int, help="override the drafter's block size")
     p.add_argument("--temperature", type=float, default=0.0)
@@ -80,10 +83,12 @@ def run(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.target:
         encode, decode, target, drafter = load_real_pair(args, dtype)
+    elif embedded.available(args.variant) and args.config is None:
+        encode, decode, target, drafter = embedded_pair(args, dtype or torch.float32)
     else:
         encode, decode, target, drafter = random_demo_pair(args, dtype or torch.float32)
     if args.block_size is not None:
-        drafter = with_block_size(drafter, args.block_size)
+        drafter = drafter.with_block_size(args.block_size)
     prompt_ids = encode(args.prompt).to(args.device)
 
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
@@ -110,6 +115,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"greedy outputs identical: {'yes' if same else 'NO (this is a bug: please report it)'}")
             return 0 if same else 1
     return 0
+
+
+def embedded_pair(args, dtype: torch.dtype):
+    tokenizer, target, drafter = embedded.load_embedded(args.variant, device=args.device, dtype=dtype)
+    return _text_codec(tokenizer, args), (lambda ids: tokenizer.decode(ids)), target, drafter
 
 
 def random_demo_pair(args, dtype: torch.dtype):
@@ -147,7 +157,10 @@ def load_real_pair(args, dtype: torch.dtype | None):
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype or drafter.backbone.fc.weight.dtype)
     target = target.to(args.device).eval()
     tokenizer = AutoTokenizer.from_pretrained(args.target)
+    return _text_codec(tokenizer, args), (lambda ids: tokenizer.decode(ids)), target, drafter
 
+
+def _text_codec(tokenizer, args):
     def encode(text: str) -> torch.Tensor:
         if args.chat:
             if not getattr(tokenizer, "chat_template", None):
@@ -159,14 +172,7 @@ def load_real_pair(args, dtype: torch.dtype | None):
             raise UsageError("--prompt is empty")
         return ids
 
-    return encode, (lambda ids: tokenizer.decode(ids)), target, drafter
-
-
-def with_block_size(drafter: DFlash2Drafter, block_size: int) -> DFlash2Drafter:
-    weight = drafter.backbone.fc.weight
-    resized = DFlash2Drafter(drafter.config.replace(block_size=block_size)).to(device=weight.device, dtype=weight.dtype)
-    resized.load_state_dict(drafter.state_dict())
-    return resized.eval()
+    return encode
 
 
 def load_config_fields(path: Path) -> dict:

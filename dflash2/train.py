@@ -41,6 +41,7 @@ class DataConfig:
     prompt_tokens: int = 16
     new_tokens: int = 48
     temperature: float = 0.0  # of the target when it regenerates the responses
+    cache: str | None = None  # where the regenerated data is kept (default <out>/data.pt); runs can share it
 
 
 @dataclass
@@ -210,14 +211,17 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    data_path = out / "data.pt"
+    data_path = Path(cfg.data.cache) if cfg.data.cache else out / "data.pt"
+    recipe = dict(dataclasses.asdict(cfg.data), cache=None, target=cfg.target, seed=cfg.seed)
     if rank == 0 and not data_path.is_file():
         out.mkdir(parents=True, exist_ok=True)
-        data = regenerate(cfg, target, adapter.vocab_size)
-        save_checkpoint(data_path, {"sequences": data}, config=cfg.to_dict())
+        save_checkpoint(data_path, {"sequences": regenerate(cfg, target, adapter.vocab_size), "recipe": recipe})
     if distributed:
         dist.barrier()
-    sequences = load_checkpoint(data_path)["sequences"]
+    stored = load_checkpoint(data_path)
+    if stored.get("recipe") != recipe:
+        raise ValueError(f"{data_path} was regenerated with a different data recipe: {stored.get('recipe')}")
+    sequences = stored["sequences"]
 
     step = 0
     state = load_checkpoint(out / "ckpt.pt")

@@ -2,6 +2,7 @@
 
     python experiments/embedded/train_target.py            # runs or resumes runs/target
     python experiments/embedded/train_target.py --export   # writes dflash2/embedded/target
+    python experiments/embedded/train_target.py --preset ar_draft [--export]   # the small AR draft model
 
 Resumable: a checkpoint is written atomically every --ckpt-every steps and the run continues from
 it, with the same data order (batches are a function of seed and step), so an interrupted run ends
@@ -28,9 +29,16 @@ from corpus import read_texts  # noqa: E402
 from dflash2.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 TOKENIZER = ROOT / "dflash2" / "embedded" / "tokenizer"
-MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-             rope_theta=10000.0)
+PRESETS = {
+    # the target of the embedded pair
+    "target": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=6, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+                   rope_theta=10000.0),
+    # the small AR draft model for HF assisted generation baselines
+    "ar_draft": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
+                     rope_theta=10000.0),
+}
 
 
 def token_stream(split: str, tokenizer) -> torch.Tensor:
@@ -67,18 +75,19 @@ def heldout_loss(model, stream: torch.Tensor, seq: int) -> float:
     return losses / n
 
 
-def build_model(vocab: int, tokenizer):
+def build_model(vocab: int, tokenizer, preset: str):
     import transformers
 
     config = transformers.Qwen3Config(vocab_size=vocab, bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id, **MODEL)
+                                      pad_token_id=tokenizer.pad_token_id, **PRESETS[preset])
     torch.manual_seed(0)
     return transformers.Qwen3ForCausalLM(config)
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--run", type=Path, default=ROOT / "runs" / "target")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="target")
+    p.add_argument("--run", type=Path, default=None, help="default: runs/<preset>")
     p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=512)
@@ -93,13 +102,14 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
+    args.run = args.run or ROOT / "runs" / args.preset
     tokenizer = AutoTokenizer.from_pretrained(str(TOKENIZER))
-    model = build_model(len(tokenizer), tokenizer)
+    model = build_model(len(tokenizer), tokenizer, args.preset)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     ckpt_path = args.run / "ckpt.pt"
     state = load_checkpoint(ckpt_path)
     step = 0
-    resolved = dict(vars(args), run=str(args.run), model=MODEL, vocab_size=len(tokenizer))
+    resolved = dict(vars(args), run=str(args.run), model=PRESETS[args.preset], vocab_size=len(tokenizer))
     schedule = ("steps", "batch", "seq", "lr", "warmup", "seed", "model", "vocab_size")
     saved_config = ckpt_path.with_suffix(".config.json")
     if state is not None and saved_config.is_file() and not args.export:
@@ -113,7 +123,7 @@ def main() -> int:
         step = state["step"]
         print(f"resumed from {ckpt_path} at step {step}")
     if args.export:
-        out = ROOT / "dflash2" / "embedded" / "target"
+        out = ROOT / "dflash2" / "embedded" / args.preset
         model.to(torch.bfloat16).save_pretrained(str(out))
         tokenizer.save_pretrained(str(out))
         print(f"exported step {step} to {out}")

@@ -1,0 +1,42 @@
+"""The embedded demo pair, shipped inside the package (built by `experiments/embedded/`).
+
+    tokenizer, target, drafter = dflash2.embedded.load_embedded("dflash2")   # or "dflash1"
+
+Directories (HF-style, safetensors): `tokenizer/`, `target/` (a small Qwen3ForCausalLM trained on the
+Python standard library's source), `dflash2/` and `dflash1/` (drafters trained against it with the
+same data and steps), `ar_draft/` (a small AR model for HF assisted generation baselines).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+VARIANTS = ("dflash2", "dflash1")
+
+
+def embedded_path(name: str) -> Path:
+    return HERE / name
+
+
+def available(variant: str = "dflash2") -> bool:
+    return all((HERE / d / f).is_file() for d, f in (("tokenizer", "tokenizer.json"), ("target", "config.json"),
+                                                        (variant, "model.safetensors")))
+
+
+def load_embedded(variant: str = "dflash2", *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(tokenizer, target, drafter) of the embedded pair; FileNotFoundError if it is not shipped yet."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..drafter import DFlash2Drafter
+
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if not available(variant):
+        raise FileNotFoundError(f"the embedded {variant!r} pair is not in this installation ({HERE})")
+    tokenizer = AutoTokenizer.from_pretrained(str(HERE / "tokenizer"))
+    target = AutoModelForCausalLM.from_pretrained(str(HERE / "target"), dtype=dtype).to(device).eval()
+    drafter = DFlash2Drafter.from_pretrained(HERE / variant, device=device, dtype=dtype).eval()
+    return tokenizer, target, drafter
