@@ -12,7 +12,7 @@ rank, F = len(target_layer_ids) * H fused target feature width.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CONV_KINDS = ("two_tap", "none")
@@ -47,6 +47,11 @@ class DFlash2Config:
     selector: str = "walk"
     selector_top_k: int = 16
     selector_rank: int = 256
+    # -- options of the reference checkpoint format ----------------------------------------------
+    input_embedding_scale: float | None = None  # block embeddings × scale
+    output_multiplier: float | None = None  # draft logits × multiplier
+    final_logit_softcapping: float | None = None  # draft logits → cap · tanh(logits / cap)
+    extra: dict[str, Any] = field(default_factory=dict)  # imported config fields dflash2 does not model
 
     def __post_init__(self) -> None:
         self.target_layer_ids = tuple(int(i) for i in self.target_layer_ids) or default_target_layer_ids(
@@ -88,6 +93,10 @@ class DFlash2Config:
                f"selector must be one of {SELECTOR_KINDS}, got {self.selector!r}")
         _check(self.selector_top_k <= self.vocab_size,
                f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, (int, float)) and value > 0),
+                   f"{name} must be None or a positive number, got {value!r}")
         if self.context_window is not None:
             _check(isinstance(self.context_window, int) and self.context_window >= self.block_size,
                    f"context_window must be None or an integer >= block_size ({self.block_size}), "

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from . import reference_format
 from .backbone import BlockDiffusionBackbone, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead
@@ -71,37 +72,53 @@ class DFlash2Drafter(nn.Module):
         weight = target.get_input_embeddings().weight
         return cls(DFlash2Config(**sizes)).to(device=weight.device, dtype=weight.dtype)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write `config.json` and `model.safetensors` (HF-style directory)."""
+    def save_pretrained(self, directory: str | Path, *, format: str = "dflash2") -> None:
+        """Write `config.json` and `model.safetensors` (HF-style directory).
+
+        format="dflash2": our own layout. format="reference": the published DFlashDraftModel /
+        DFlash2DraftModel layout that SGLang, vLLM and z-lab/dflash load (docs/checkpoints.md).
+        """
+        if format not in ("dflash2", "reference"):
+            raise ValueError(f"format must be 'dflash2' or 'reference', got {format!r}")
         directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
-        meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
-        (directory / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        if format == "reference":
+            meta = reference_format.reference_from_config(self.config)
+            tensors = reference_format.reference_from_state(tensors, self.config.extra.get("codebook_suffix", False))
+        else:
+            meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(meta, indent=2) + "\n")
         save_file(tensors, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None) -> "DFlash2Drafter":
-        """Read a directory written by `save_pretrained`; every tensor must match, none may be missing."""
+        """Read our directory format or the reference one; every tensor must fit, none may be missing."""
         directory = Path(directory)
         for name in (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name} does not exist")
         meta = json.loads((directory / CONFIG_NAME).read_text())
-        arch = meta.pop("architectures", [ARCHITECTURE])
-        if arch != [ARCHITECTURE]:
-            raise ValueError(f"{directory} holds {arch}, not a {ARCHITECTURE} directory")
         state = load_file(str(directory / WEIGHTS_NAME))
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
-        model = cls(DFlash2Config.from_dict(meta)).to(stored)  # load without a lossy cast
-        expected = model.state_dict()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint keys do not match the config: missing {missing}, unexpected {unexpected}")
-        wrong = [k for k in expected if expected[k].shape != state[k].shape]
-        if wrong:
-            raise ValueError(f"checkpoint tensors with wrong shapes: {wrong}")
+        if reference_format.is_reference(meta):
+            config = reference_format.config_from_reference(meta)
+            model = cls(config).to(stored)
+            state, suffix = reference_format.state_from_reference(state, model.state_dict())
+            config.extra["codebook_suffix"] = suffix
+        else:
+            arch = meta.pop("architectures", [ARCHITECTURE])
+            if arch != [ARCHITECTURE]:
+                raise ValueError(f"{directory} holds {arch}, neither a {ARCHITECTURE} nor a reference DFlash directory")
+            model = cls(DFlash2Config.from_dict(meta)).to(stored)  # load without a lossy cast
+            expected = model.state_dict()
+            missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            if missing or unexpected:
+                raise ValueError(f"checkpoint keys do not match the config: missing {missing}, unexpected {unexpected}")
+            wrong = [k for k in expected if expected[k].shape != state[k].shape]
+            if wrong:
+                raise ValueError(f"checkpoint tensors with wrong shapes: {wrong}")
         model.load_state_dict(state, strict=True)
         return model.to(device=device, dtype=dtype or stored)
 
@@ -133,9 +150,24 @@ class DFlash2Drafter(nn.Module):
         if self.config.block_size == 1:
             return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
         hidden = self.block_hidden(cache, anchor, target)[0, 1:]  # [L, H]
-        logits = target.lm_logits(hidden)  # [L, V]
+        logits = self.draft_logits(hidden, target)  # [L, V]
         cands = self.candidates(logits)  # ids, U: [L, K]
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
+
+    def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
+        """block ids [...] → [..., H] through the target's embedding (× input_embedding_scale)."""
+        x = target.embed(block_ids).to(self.backbone.fc.weight.dtype)
+        scale = self.config.input_embedding_scale
+        return x if scale is None else x * scale
+
+    def draft_logits(self, hidden: Tensor, target: TargetAdapter) -> Tensor:
+        """hidden [..., H] → logits [..., V] through the target's LM head, then the reference's
+        output multiplier and soft-capping when configured."""
+        logits = target.lm_logits(hidden)
+        if self.config.output_multiplier is not None:
+            logits = logits * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def block_hidden(self, cache: ContextCache, anchor: int, target: TargetAdapter) -> Tensor:
         """Hidden states [1, B, H] of the block [anchor, MASK, ...] at positions cache.length.."""
@@ -143,7 +175,7 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
         positions = torch.arange(cache.length, cache.length + B, device=device)
-        x = target.embed(ids).to(cache.keys[0].dtype)  # [1, B, H]
+        x = self.embed_block(ids, target)  # [1, B, H]
         return self.backbone(x, positions, list(zip(cache.keys, cache.values)))
 
 

@@ -79,13 +79,13 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     block_ids = torch.full((N, A, B), cfg.mask_token_id, dtype=torch.long, device=ids.device)
     block_ids[:, :, 0] = ids.gather(1, anchors)
     context = drafter.backbone.context_kv(features, torch.arange(T, device=ids.device))
-    x = target.embed(block_ids.reshape(N, A * B)).to(drafter.backbone.fc.weight.dtype)  # [N, A·B, H]
+    x = drafter.embed_block(block_ids.reshape(N, A * B), target)  # [N, A·B, H]
     mask = block_mask(anchors, T, B, cfg.context_window)
     hidden = drafter.backbone(x, positions, context, mask).view(N, A, B, -1)[:, :, 1:]  # [N, A, L, H]
     label_pos = positions.view(N, A, B)
     labels = ids.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
     prev = ids.gather(1, label_pos[:, :, :-1].reshape(N, -1)).view(N, A, B - 1)
-    return BlockOutputs(target.lm_logits(hidden), hidden, labels, prev)
+    return BlockOutputs(drafter.draft_logits(hidden, target), hidden, labels, prev)
 
 
 def position_weights(L: int, gamma: float | None, device=None) -> Tensor:

@@ -12,12 +12,14 @@ from dflash2.training import block_mask, drafter_losses, masked_block_forward, s
 from tests.helpers import MASK, tiny_target
 
 VARIANTS = [("two_tap", "walk", None), ("none", "argmax", None), ("two_tap", "viterbi", 6)]
+REFERENCE_OPTIONS = dict(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=3.0)
 
 
-def trained_looking_drafter(target, conv, selector, window, B=5):
+def trained_looking_drafter(target, conv, selector, window, B=5, **options):
     torch.manual_seed(0)
     d = DFlash2Drafter.from_target(target, block_size=B, conv=conv, selector=selector, selector_top_k=4,
-                                   selector_rank=8, mask_token_id=MASK, context_window=window, num_layers=2)
+                                   selector_rank=8, mask_token_id=MASK, context_window=window, num_layers=2,
+                                   **options)
     with torch.no_grad():  # away from the identity init, so the conv's causality matters
         for p in d.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -28,13 +30,14 @@ def inference_logits(d, adapter, ids, feats, anchor):
     cache = d.new_cache()
     d.backbone.extend_context(cache, feats[:, :anchor])
     hidden = d.block_hidden(cache, int(ids[0, anchor]), adapter)
-    return adapter.lm_logits(hidden[0, 1:])
+    return d.draft_logits(hidden[0, 1:], adapter)
 
 
+@pytest.mark.parametrize("options", [{}, REFERENCE_OPTIONS], ids=["plain", "reference_options"])
 @pytest.mark.parametrize("conv, selector, window", VARIANTS)
-def test_training_forward_equals_inference_forward(conv, selector, window):
+def test_training_forward_equals_inference_forward(conv, selector, window, options):
     target = tiny_target("qwen3")
-    d = trained_looking_drafter(target, conv, selector, window)
+    d = trained_looking_drafter(target, conv, selector, window, **options)
     adapter = TargetAdapter(target, d.target_layer_ids)
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, MASK, (2, 24), generator=g)
