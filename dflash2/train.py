@@ -131,7 +131,7 @@ def regenerate(cfg: TrainConfig, target, vocab: int) -> torch.Tensor:
         prompts = torch.tensor([pool[i][: d.prompt_tokens] for i in pick])
     device = target.get_input_embeddings().weight.device
     out = []
-    for chunk in prompts.split(16):
+    for chunk in prompts.split(64):
         chunk = chunk.to(device)
         kwargs = dict(do_sample=True, temperature=d.temperature, top_k=0) if d.temperature > 0 else dict(do_sample=False)
         seq = target.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=d.new_tokens,
