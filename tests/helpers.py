@@ -34,13 +34,37 @@ def _configs(vocab: int) -> dict[str, tuple[type, object]]:
     }
 
 
+def _more_configs(vocab: int) -> dict[str, tuple[type, object]]:
+    common = dict(vocab_size=vocab, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    mixed = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    return {
+        "qwen3_moe": (transformers.Qwen3MoeForCausalLM,
+                      transformers.Qwen3MoeConfig(**common, intermediate_size=48, moe_intermediate_size=16,
+                                                  num_experts=4, num_experts_per_tok=2)),
+        # embedding scaling, sliding and global layers, final logit soft-capping
+        "gemma3": (transformers.Gemma3ForCausalLM,
+                   transformers.Gemma3TextConfig(**common, intermediate_size=48, sliding_window=5, layer_types=mixed,
+                                                 final_logit_softcapping=30.0)),
+        # attention sinks, sliding and full layers, MoE
+        "gpt_oss": (transformers.GptOssForCausalLM,
+                    transformers.GptOssConfig(**common, intermediate_size=32, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=5, layer_types=mixed)),
+        "llama_tied": (transformers.LlamaForCausalLM,
+                       transformers.LlamaConfig(**{k: v for k, v in common.items() if k != "head_dim"},
+                                                intermediate_size=48, tie_word_embeddings=True)),
+    }
+
+
 ARCHITECTURES = tuple(_configs(VOCAB))
+MORE_ARCHITECTURES = tuple(_more_configs(VOCAB))
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: float = 1.0):
     """A random float64 HF causal LM; `scale` > 1 sharpens its distributions (more agreement)."""
-    cls, config = _configs(vocab)[arch]
+    cls, config = (_configs(vocab) | _more_configs(vocab))[arch]
+    config._experts_implementation = "eager"  # HF's grouped-mm experts kernel has no float64
     torch.manual_seed(seed)
     model = cls(config).to(torch.float64).eval()
     if scale != 1.0:
