@@ -140,7 +140,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
             verdict = verify_block(draft, step.logits[0], params, rng)
             committed, stopped = commit(draft.tokens.tolist(), verdict, budget, stops)
-            tgt.crop(cache, len(tokens) + verdict.num_accepted)  # committed tokens but the new anchor
+            tgt.rollback(cache, step, verdict.num_accepted + 1)  # keep the anchor and the accepted drafts
             sync()
             timings["draft_s"] += t1 - t0
             timings["verify_s"] += time.perf_counter() - t1

@@ -6,19 +6,28 @@ of the package sees three operations with explicit state:
 
     cache = adapter.new_cache()
     step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V], features [1, T, F] or None
-    adapter.crop(cache, length)                  # keep the first `length` positions
+    adapter.rollback(cache, step, keep)          # keep only the first `keep` of the step's T tokens
 
 plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
 
-The cache is a plain `DynamicCache` built without the model config, so every layer keeps its full
-history (sliding-window layers included; their window is applied by the model's mask, from absolute
-positions) and cropping is exact for every attention-only architecture.
+Attention-only targets: the cache is a plain `DynamicCache` built without the model config, so every
+layer keeps its full history (sliding-window layers included; their window is applied by the
+model's mask, from absolute positions) and rolling back is an exact crop.
+
+Hybrid targets (Gated DeltaNet `linear_attention` layers: Qwen3.5, Qwen3.5-MoE, Qwen3-Next): their
+conv and recurrent states are updated in place and cannot be cropped (HF's crop leaves rejected
+tokens in the recurrent state). `forward` therefore snapshots every layer's state first: attention
+K/V by reference (a DynamicLayer only ever concatenates, never writes in place), everything else by
+copy; `rollback` after a partial acceptance restores the snapshot and replays the kept tokens.
+The cost is one state copy per round and one extra forward of the kept tokens per partially
+accepted round (measured in docs/hybrid-targets.md).
 """
 
 from __future__ import annotations
 
+import copy
 import inspect
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -26,16 +35,23 @@ from transformers import DynamicCache
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
+# Recurrent layer types rolled back by snapshot and replay.
+ROLLBACK_LAYER_TYPES = frozenset({"linear_attention"})
 # Recurrent-state families without a `layer_types` field.
 RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "jamba", "zamba", "zamba2",
                                    "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 
 
 class TargetStep(NamedTuple):
-    """logits [1, T, V]; features [1, T, F] (the chosen layers' hidden states, concatenated) or None."""
+    """logits [1, T, V]; features [1, T, F] (the chosen layers' hidden states, concatenated) or None;
+    input_ids [1, T] and start (cache length before the step) say what the step added; snapshot is
+    the cache state before it (hybrid targets only)."""
 
     logits: Tensor
     features: Tensor | None
+    input_ids: Tensor | None = None
+    start: int = 0
+    snapshot: Any = None
 
 
 class TargetAdapter:
@@ -48,7 +64,7 @@ class TargetAdapter:
         self.model = model
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.layer_ids = tuple(layer_ids)
-        _reject_recurrent(self.config)
+        self.hybrid = _is_hybrid(self.config)
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
@@ -79,18 +95,36 @@ class TargetAdapter:
 
     # -- operations ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        return DynamicCache()
+        # hybrid layers need their own cache layer types, which only the config says
+        return DynamicCache(config=self.model.config) if self.hybrid else DynamicCache()
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, cache: DynamicCache) -> TargetStep:
         """Run ids [1, T] after the cached positions; the cache grows by T."""
         want = bool(self.layer_ids)
+        start = cache.get_seq_length()
+        snapshot = _snapshot(cache) if self.hybrid and start > 0 else None
         out = self.model(input_ids=input_ids, use_cache=True, output_hidden_states=want,
                          **{self._cache_kw: cache})
         features = None
         if want:  # hidden_states[i + 1] is the output of layer i
             features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-        return TargetStep(out.logits, features)
+        return TargetStep(out.logits, features, input_ids, start, snapshot)
+
+    @torch.no_grad()
+    def rollback(self, cache: DynamicCache, step: TargetStep, keep: int) -> None:
+        """Keep only the first `keep` tokens that `step` added to the cache."""
+        added = step.input_ids.shape[1]
+        if keep == added:
+            return
+        if not self.hybrid:
+            self.crop(cache, step.start + keep)
+            return
+        if step.snapshot is None:
+            raise ValueError("cannot roll back a hybrid target's prefill")
+        _restore(cache, step.snapshot)
+        if keep > 0:
+            self.model(input_ids=step.input_ids[:, :keep], use_cache=True, **{self._cache_kw: cache})
 
     def crop(self, cache: DynamicCache, length: int) -> None:
         """Keep the first `length` positions. A negative count works on every 5.x cache API."""
@@ -110,13 +144,27 @@ class TargetAdapter:
         return self.model.get_output_embeddings()(hidden)
 
 
-def _reject_recurrent(config) -> None:
+def _is_hybrid(config) -> bool:
+    """True for targets with linear-attention layers; raises for recurrent layers we cannot roll back."""
     model_type = getattr(config, "model_type", type(config).__name__)
-    layer_types = getattr(config, "layer_types", None) or ()
-    odd = sorted({t for t in layer_types if t not in ATTENTION_LAYER_TYPES})
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    odd = sorted(layer_types - ATTENTION_LAYER_TYPES - ROLLBACK_LAYER_TYPES)
     if odd or model_type in RECURRENT_MODEL_TYPES:
         detail = f" (layer types {odd})" if odd else ""
         raise NotImplementedError(
-            f"target model type {model_type!r} has recurrent-state layers{detail}; their state cannot be cropped "
-            "after a partial acceptance, and exact rollback for hybrid targets is not implemented yet"
+            f"target model type {model_type!r} has recurrent-state layers{detail} whose state cannot be rolled back "
+            "after a partial acceptance; supported recurrent layers: linear_attention (Gated DeltaNet)"
         )
+    return bool(layer_types & ROLLBACK_LAYER_TYPES)
+
+
+def _snapshot(cache: DynamicCache) -> list[dict[str, Any]]:
+    """Each layer's attributes: K/V by reference (only ever concatenated), the rest copied."""
+    return [{k: v if k in ("keys", "values") else copy.deepcopy(v) for k, v in vars(layer).items()}
+            for layer in cache.layers]
+
+
+def _restore(cache: DynamicCache, snapshot: list[dict[str, Any]]) -> None:
+    for layer, state in zip(cache.layers, snapshot):
+        layer.__dict__.clear()
+        layer.__dict__.update(state)

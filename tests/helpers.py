@@ -56,20 +56,40 @@ def _more_configs(vocab: int) -> dict[str, tuple[type, object]]:
     }
 
 
+def _hybrid_configs(vocab: int) -> dict[str, tuple[type, object]]:
+    common = dict(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
+                  linear_key_head_dim=8, linear_value_head_dim=8, max_position_embeddings=256)
+    moe = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+    return {
+        "qwen3_5": (transformers.Qwen3_5ForCausalLM, transformers.Qwen3_5TextConfig(**common)),
+        "qwen3_5_moe": (transformers.Qwen3_5MoeForCausalLM, transformers.Qwen3_5MoeTextConfig(**common, **moe)),
+        "qwen3_next": (transformers.Qwen3NextForCausalLM, transformers.Qwen3NextConfig(**common, **moe)),
+    }
+
+
 ARCHITECTURES = tuple(_configs(VOCAB))
 MORE_ARCHITECTURES = tuple(_more_configs(VOCAB))
+HYBRID_ARCHITECTURES = tuple(_hybrid_configs(VOCAB))
+# Random tiny hybrids have recurrent states ~1e-4: too weak for a stale state to flip a greedy token.
+# Scaling the linear-attention projections makes the recurrence matter (plain crop then diverges).
+LINEAR_ATTENTION_SCALE = 20.0
 
 
 @functools.lru_cache(maxsize=None)
 def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: float = 1.0):
     """A random float64 HF causal LM; `scale` > 1 sharpens its distributions (more agreement)."""
-    cls, config = (_configs(vocab) | _more_configs(vocab))[arch]
+    cls, config = (_configs(vocab) | _more_configs(vocab) | _hybrid_configs(vocab))[arch]
     config._experts_implementation = "eager"  # HF's grouped-mm experts kernel has no float64
     torch.manual_seed(seed)
     model = cls(config).to(torch.float64).eval()
-    if scale != 1.0:
-        with torch.no_grad():
+    with torch.no_grad():
+        if scale != 1.0:
             model.get_output_embeddings().weight.mul_(scale)
+        if arch in HYBRID_ARCHITECTURES:
+            for name, p in model.named_parameters():
+                if ".linear_attn." in name and "proj" in name:
+                    p.mul_(LINEAR_ATTENTION_SCALE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model

@@ -13,7 +13,9 @@ from tests.helpers import MASK, hf_greedy, oracle_drafter, tiny_target
 
 
 class CheckingAdapter(TargetAdapter):
-    """Keeps the ids the cache should hold; after each crop, compares the cache with a fresh prefill."""
+    """Keeps the ids the cache should hold; after each rollback, compares the cache with a fresh prefill."""
+
+    atol = 1e-12
 
     def __init__(self, model, layer_ids):
         super().__init__(model, layer_ids)
@@ -24,8 +26,9 @@ class CheckingAdapter(TargetAdapter):
         self.ids += input_ids[0].tolist()
         return super().forward(input_ids, cache)
 
-    def crop(self, cache, length):
-        super().crop(cache, length)
+    def rollback(self, cache, step, keep):
+        super().rollback(cache, step, keep)
+        length = step.start + keep
         self.ids = self.ids[:length]
         assert cache.get_seq_length() == length
         probe = torch.tensor([[7]])
@@ -34,7 +37,7 @@ class CheckingAdapter(TargetAdapter):
             self.model(input_ids=torch.tensor([self.ids]), use_cache=True, **{self._cache_kw: fresh})
             ours = self.model(input_ids=probe, use_cache=True, **{self._cache_kw: copy.deepcopy(cache)}).logits
             theirs = self.model(input_ids=probe, use_cache=True, **{self._cache_kw: fresh}).logits
-        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=self.atol)
         self.checked += 1
 
 

@@ -89,14 +89,10 @@ def test_target_must_be_a_causal_lm(pair):
         spec_generate(drafter, torch.nn.Linear(2, 2), PROMPT, max_new_tokens=3)
 
 
-def test_hybrid_targets_are_refused_clearly():
-    config = transformers.Qwen3NextConfig(
-        vocab_size=48, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, linear_num_value_heads=2, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2,
-        moe_intermediate_size=16, shared_expert_intermediate_size=16)
-    target = transformers.Qwen3NextForCausalLM(config)
-    with pytest.raises(NotImplementedError, match="qwen3_next"):
+def test_recurrent_targets_without_rollback_are_refused_clearly():
+    config = transformers.MambaConfig(vocab_size=48, hidden_size=32, num_hidden_layers=2, state_size=4)
+    target = transformers.MambaForCausalLM(config)
+    with pytest.raises(NotImplementedError, match="mamba"):
         DFlash2Drafter.from_target(target)
-    with pytest.raises(NotImplementedError, match="qwen3_next"):
+    with pytest.raises(NotImplementedError, match="mamba"):
         ar_generate(target, PROMPT, max_new_tokens=2)
