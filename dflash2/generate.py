@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compare-ar", action="store_true", help="also decode with plain AR and report the speedup")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
+    p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --chat: enable_thinking for templates that support it (Qwen3-style)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.thinking is not None and not args.chat:
+        raise UsageError("--thinking / --no-thinking need --chat")
     if bool(args.target) != bool(args.drafter):
         raise UsageError("--target and --drafter go together")
     SamplingParams(args.temperature, args.top_k, args.top_p)  # validate before building anything
@@ -165,8 +169,14 @@ def _text_codec(tokenizer, args):
         if args.chat:
             if not getattr(tokenizer, "chat_template", None):
                 raise UsageError(f"--chat: the tokenizer of {args.target} has no chat template")
+            extra = {}
+            if args.thinking is not None:
+                if "enable_thinking" in str(tokenizer.chat_template):
+                    extra["enable_thinking"] = args.thinking
+                else:
+                    print("note: the chat template has no thinking switch; --thinking ignored", file=sys.stderr)
             text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                                 add_generation_prompt=True)
+                                                 add_generation_prompt=True, **extra)
         ids = tokenizer(text, return_tensors="pt", add_special_tokens=not args.chat).input_ids
         if ids.numel() == 0:
             raise UsageError("--prompt is empty")

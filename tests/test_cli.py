@@ -43,3 +43,28 @@ def test_bad_input_one_line_exit_2(args, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|assistant|>{% if enable_thinking is defined and not enable_thinking %}"
+                     "<think></think>{% endif %}{% endif %}")
+
+
+def test_chat_template_and_thinking_switch():
+    import argparse
+
+    from transformers import AutoTokenizer
+
+    from dflash2.generate import _text_codec
+
+    tok = AutoTokenizer.from_pretrained("dflash2/embedded/tokenizer")
+    tok.chat_template = THINKING_TEMPLATE
+    render = lambda **flags: tok.decode(_text_codec(tok, argparse.Namespace(chat=True, **flags))("hi")[0])
+    assert render(thinking=None) == "<|user|>hi\n<|assistant|>"
+    assert render(thinking=False) == "<|user|>hi\n<|assistant|><think></think>"
+    assert render(thinking=True) == "<|user|>hi\n<|assistant|>"
+
+
+def test_thinking_needs_chat():
+    out = run_cli("--no-thinking", "--max-new-tokens", "2")
+    assert out.returncode == 2 and "need --chat" in out.stderr
