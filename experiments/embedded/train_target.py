@@ -24,7 +24,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import read_texts  # noqa: E402
+from dflash2.corpus import read_texts  # noqa: E402
 
 from dflash2.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 

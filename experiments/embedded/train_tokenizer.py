@@ -13,8 +13,8 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from corpus import read_texts  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from dflash2.corpus import read_texts  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
 

