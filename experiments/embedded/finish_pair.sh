@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# After the target's run: export it, train both drafters on the same regenerated data (in parallel,
+# one core each), install them in the package, train the small AR draft model, evaluate on HumanEval.
+# Waits for runs/target/ckpt.pt to reach the last step first, so it can be started early.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+log() { echo "[$(date +%H:%M:%S)] $*"; }
+
+until python - <<'PY'
+import sys, torch
+from dflash2.checkpoint import load_checkpoint
+s = load_checkpoint("runs/target/ckpt.pt")
+sys.exit(0 if s is not None and s["step"] >= 1500 else 1)
+PY
+do sleep 30; done
+log "target finished: exporting"
+python experiments/embedded/train_target.py --export
+[ -f runs/embedded/prompts.pt ] || python experiments/embedded/build_prompts.py
+log "regenerating the shared drafter data with the target"
+python -m dflash2.train --config configs/embedded_dflash2.yaml --stop-after 0
+log "training both drafters"
+OMP_NUM_THREADS=1 python -m dflash2.train --config configs/embedded_dflash2.yaml > runs/embedded/dflash2.out 2>&1 &
+OMP_NUM_THREADS=1 python -m dflash2.train --config configs/embedded_dflash1.yaml > runs/embedded/dflash1.out 2>&1 &
+wait
+for v in dflash2 dflash1; do
+  rm -rf "dflash2/embedded/$v" && cp -r "runs/embedded/$v/final" "dflash2/embedded/$v"
+done
+log "training the AR draft model"
+python experiments/embedded/train_target.py --preset ar_draft --steps 600 --eval-every 300
+python experiments/embedded/train_target.py --preset ar_draft --steps 600 --export
+log "evaluating on HumanEval"
+python experiments/embedded/eval_humaneval.py
+log "done"
