@@ -16,6 +16,7 @@ from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams, greedy_token, process_logits
 from .selector import ArgmaxSelector, ViterbiSelector, WalkSelector, viterbi_path
 from .target import TargetAdapter
+from .tree import TokenTree, TreeVerdict, verify_tree
 from .verify import Draft, Verdict, commit, verify_block
 
 __version__ = "0.1.0"
@@ -23,7 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
     "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
-    "SamplingParams", "TargetAdapter", "TorchRandom", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
+    "SamplingParams", "TargetAdapter", "TokenTree", "TorchRandom", "TreeVerdict", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
     "WalkSelector", "ar_generate", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",
-    "spec_generate", "verify_block", "viterbi_path",
+    "spec_generate", "verify_block", "verify_tree", "viterbi_path",
 ]
