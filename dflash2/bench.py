@@ -256,7 +256,7 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str]) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=" ".join(sys.argv), date=str(datetime.date.today()), machine=platform.platform(),
+    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(datetime.date.today()), machine=platform.platform(),
                 torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg), sources=sources)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}.", "",

@@ -112,6 +112,22 @@ def main() -> int:
             "![τ vs context](results/context_window.png)",
             "",
         ]
+    bench = RESULTS / "bench_headline" / "results.md"
+    if bench.is_file():
+        lines += ["## Speed: the headline row (batch 1, greedy, B = 16, HumanEval)", "",
+                  "Written by `python -m dflash2.bench --config configs/bench/headline.yaml` "
+                  "(docs/results/bench_headline/: JSON with per-round time breakdown, plot). Methods run interleaved; "
+                  "speedup is the median of per-prompt ratios to AR measured back to back.", "",
+                  bench.read_text(), ""]
+        bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
+        lines += ["Time per round (ms; drafter + selector = draft):", "",
+                  "| method | draft | verify | other | draft share of a round |", "|---|---|---|---|---|"]
+        for r in bench_rows:
+            if "per_round_ms" in r:
+                t = r["per_round_ms"]
+                share = t["draft"] / sum(t.values())
+                lines.append(f"| {r['method']} | {t['draft']:.2f} | {t['verify']:.2f} | {t['other']:.2f} | {share:.0%} |")
+        lines.append("")
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
     return 0
