@@ -35,6 +35,7 @@ import torch
 
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
+from .overrides import load_yaml_with_overrides
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
@@ -291,20 +292,13 @@ def _plot(rows, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import yaml
-
     p = argparse.ArgumentParser(prog="python -m dflash2.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path)
     p.add_argument("--quick", action="store_true", help="tiny random models, 2 prompts, 1 repetition")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. num_prompts=10 block_sizes=[16]")
     args = p.parse_args(argv)
     try:
-        raw = yaml.safe_load(args.config.read_text()) if args.config else {}
-        for item in args.overrides:
-            key, sep, value = item.partition("=")
-            if not sep:
-                raise ValueError(f"override {item!r} is not key=value")
-            raw[key] = yaml.safe_load(value)
+        raw = load_yaml_with_overrides(args.config, args.overrides)
         if args.quick:
             raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8])
             raw.setdefault("out", "runs/bench-quick")

@@ -21,6 +21,7 @@ from . import embedded
 from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
+from .overrides import load_yaml_with_overrides
 from .sampling import SamplingParams
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -186,13 +187,7 @@ def _text_codec(tokenizer, args):
 
 
 def load_config_fields(path: Path) -> dict:
-    import yaml
-
-    if not path.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    fields = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(fields, dict):
-        raise UsageError(f"--config {path}: expected a mapping of DFlash2Config fields")
+    fields = load_yaml_with_overrides(path, [])
     unknown = sorted(set(fields) - set(DFlash2Config.__dataclass_fields__))
     if unknown:
         raise UsageError(f"--config {path}: unknown DFlash2Config fields {unknown}")

@@ -30,6 +30,7 @@ from torch import nn
 
 from .checkpoint import load_checkpoint, save_checkpoint
 from .drafter import DFlash2Drafter
+from .overrides import load_yaml_with_overrides
 from .target import TargetAdapter
 from .training import Losses, drafter_losses, expected_tau_from_accuracy, masked_block_forward, sample_anchors
 
@@ -89,25 +90,7 @@ class TrainConfig:
 
 # -- config files and overrides --------------------------------------------------------------------
 def load_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
-    import yaml
-
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"--config {path}: no such file")
-        raw = yaml.safe_load(path.read_text()) or {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"override {item!r} is not of the form dotted.key=value")
-        node = raw
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"override {item!r}: {part} is not a section")
-        node[leaf] = yaml.safe_load(value)
+    raw = load_yaml_with_overrides(path, overrides)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:
