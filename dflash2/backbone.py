@@ -21,6 +21,8 @@ from .config import DFlash2Config
 from .conv import NoConv, TwoTapDynamicConv
 from .layers import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin
 
+Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, hd] or [N, 1, T, hd]
+
 
 @dataclass
 class ContextCache:
@@ -41,7 +43,6 @@ class KVInjectionAttention(nn.Module):
         super().__init__()
         H, hd = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, hd
-        self.rope_theta = config.rope_theta
         self.q_proj = nn.Linear(H, self.num_heads * hd, bias=False)
         self.k_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
         self.v_proj = nn.Linear(H, self.num_kv_heads * hd, bias=False)
@@ -49,23 +50,21 @@ class KVInjectionAttention(nn.Module):
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
 
-    def project_kv(self, x: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """x [N, T, H], positions [T] or [N, T] → k, v [N, kv_heads, T, hd] (k normed and rotated)."""
+    def project_kv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+        """x [N, T, H], rope (cos, sin) of its positions → k, v [N, kv_heads, T, hd] (k normed, rotated)."""
         N, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
-        return apply_rope(k, cos, sin), v
+        return apply_rope(k, *rope), v
 
-    def forward(self, x: Tensor, positions: Tensor, context_k: Tensor, context_v: Tensor,
+    def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
                 mask: Tensor | None = None) -> Tensor:
-        """x [N, T, H] at positions [T] or [N, T]; context_k/v [N, kv_heads, C, hd];
+        """x [N, T, H] with rope (cos, sin) of its positions; context_k/v [N, kv_heads, C, hd];
         mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible)."""
         N, T, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(N, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, T, hd)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.rope_theta, x.dtype)
-        q = apply_rope(q, cos, sin)
-        k, v = self.project_kv(x, positions)
+        q = apply_rope(q, *rope)
+        k, v = self.project_kv(x, rope)
         k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
         v = torch.cat([context_v, v], dim=2)
         out = attention(q, k, v, mask)  # (N, h, T, hd)
@@ -89,10 +88,10 @@ class DrafterLayer(nn.Module):
         self.attention_conv = make()
         self.mlp_conv = make()
 
-    def forward(self, x: Tensor, positions: Tensor, context_k: Tensor, context_v: Tensor,
+    def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
                 mask: Tensor | None = None) -> Tensor:
         """x [N, T, H] → [N, T, H]."""
-        attend = lambda h: self.self_attn(h, positions, context_k, context_v, mask)
+        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask)
         x = x + self.attention_conv(self.input_layernorm(x), attend)
         return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp)
 
@@ -117,11 +116,15 @@ class BlockDiffusionBackbone(nn.Module):
     def fuse(self, features: Tensor) -> Tensor:
         return self.hidden_norm(self.fc(features))
 
+    def rope(self, positions: Tensor, dtype: torch.dtype) -> Rope:
+        """RoPE tables of `positions`, computed once per call and shared by every layer."""
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """features [N, C, F] at positions [C] → per layer (k, v), each [N, kv_heads, C, hd]."""
-        features = features.to(self.fc.weight.dtype)
-        fused = self.fuse(features)
-        return [layer.self_attn.project_kv(fused, positions) for layer in self.layers]
+        fused = self.fuse(features.to(self.fc.weight.dtype))
+        rope = self.rope(positions, fused.dtype)
+        return [layer.self_attn.project_kv(fused, rope) for layer in self.layers]
 
     def extend_context(self, cache: ContextCache, features: Tensor) -> ContextCache:
         """Append features [N, n, F] for positions cache.length .. cache.length+n-1 (in place)."""
@@ -144,6 +147,7 @@ class BlockDiffusionBackbone(nn.Module):
                 mask: Tensor | None = None) -> Tensor:
         """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
         [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None."""
+        rope = self.rope(positions, x.dtype)
         for layer, (k, v) in zip(self.layers, context):
-            x = layer(x, positions, k, v, mask)
+            x = layer(x, rope, k, v, mask)
         return self.norm(x)

@@ -189,13 +189,11 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
     if ar_draft is not None:
         methods["hf_assisted"] = hf(assistant_model=ar_draft)
     if "dflash1" in drafters:
-        methods["dflash1"] = ours(drafters["dflash1"].with_block_size(block))
+        methods["dflash1"] = ours(drafters["dflash1"].with_config(block_size=block))
     if "dflash2" in drafters:
-        walk = drafters["dflash2"].with_block_size(block)
+        walk = drafters["dflash2"].with_config(block_size=block)
         methods["dflash2_walk"] = ours(walk)
-        viterbi = DFlash2Drafter(walk.config.replace(selector="viterbi")).to(walk.backbone.fc.weight.dtype)
-        viterbi.load_state_dict(walk.state_dict())
-        methods["dflash2_viterbi"] = ours(viterbi.eval())
+        methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
     return {name: fn for name, fn in methods.items() if name in cfg.methods}
 
 

@@ -122,12 +122,13 @@ class DFlash2Drafter(nn.Module):
         model.load_state_dict(state, strict=True)
         return model.to(device=device, dtype=dtype or stored)
 
-    def with_block_size(self, block_size: int) -> "DFlash2Drafter":
-        """A copy drafting blocks of `block_size` with the same weights (no parameter depends on B)."""
+    def with_config(self, **changes: Any) -> "DFlash2Drafter":
+        """A copy with some config fields changed and the same weights: block size, selector among
+        walk/viterbi, top-K, context window (fields that change no parameter shape)."""
         weight = self.backbone.fc.weight
-        resized = DFlash2Drafter(self.config.replace(block_size=block_size)).to(device=weight.device, dtype=weight.dtype)
-        resized.load_state_dict(self.state_dict())
-        return resized.train(self.training)
+        copy = DFlash2Drafter(self.config.replace(**changes)).to(device=weight.device, dtype=weight.dtype)
+        copy.load_state_dict(self.state_dict())
+        return copy.train(self.training)
 
     # -- the Drafter protocol used by spec_generate ----------------------------------------------
     @property

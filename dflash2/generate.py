@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         encode, decode, target, drafter = random_demo_pair(args, dtype or torch.float32)
     if args.block_size is not None:
-        drafter = drafter.with_block_size(args.block_size)
+        drafter = drafter.with_config(block_size=args.block_size)
     prompt_ids = encode(args.prompt).to(args.device)
 
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

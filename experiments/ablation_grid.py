@@ -22,14 +22,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2 import DFlash2Drafter, ar_generate, load_embedded, spec_generate  # noqa: E402
+from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
 from dflash2.bench import load_prompts  # noqa: E402
-
-
-def variant(drafter: DFlash2Drafter, **changes) -> DFlash2Drafter:
-    out = DFlash2Drafter(drafter.config.replace(**changes)).eval()
-    out.load_state_dict(drafter.state_dict())
-    return out
 
 
 def main() -> int:
@@ -43,11 +37,11 @@ def main() -> int:
     stops = [tok.eos_token_id]
     prompts = [tok(t, return_tensors="pt").input_ids for t in load_prompts("humaneval", args.prompts)[0]]
     refs = [ar_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops).sequences for ids in prompts]
-    grid = [("none", "argmax", 1, variant(d1, block_size=args.block_size))]
+    grid = [("none", "argmax", 1, d1.with_config(block_size=args.block_size))]
     for selector in ("argmax", "walk", "viterbi"):
         for k in ((1,) if selector == "argmax" else (4, 8, 16)):
-            grid.append(("two_tap", selector, k, variant(d2, block_size=args.block_size, selector=selector,
-                                                         selector_top_k=max(k, 1))))
+            grid.append(("two_tap", selector, k, d2.with_config(block_size=args.block_size, selector=selector,
+                                                                selector_top_k=max(k, 1))))
     rows = []
     for conv, selector, k, drafter in grid:
         lengths, identical = [], 0

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dflash2 import DFlash2Drafter, ar_generate, load_embedded, spec_generate  # noqa: E402
+from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
 from dflash2.corpus import read_texts  # noqa: E402
 
 
@@ -35,8 +35,7 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=96)
     args = p.parse_args()
     tok, target, drafter = load_embedded("dflash2")
-    windowed = DFlash2Drafter(drafter.config.replace(context_window=args.window)).eval()
-    windowed.load_state_dict(drafter.state_dict())
+    windowed = drafter.with_config(context_window=args.window)
     texts = [t for t in read_texts("heldout") if len(t) > 20_000][: args.prompts]
     results = {"full": {}, f"window {args.window}": {}}
     for n in map(int, args.lengths.split(",")):

@@ -67,7 +67,7 @@ def main() -> int:
         name, _, path = item.partition("=")
         drafter = DFlash2Drafter.from_pretrained(path, dtype=torch.float32).eval()
         if drafter.config.block_size != args.block_size:
-            drafter = drafter.with_block_size(args.block_size)
+            drafter = drafter.with_config(block_size=args.block_size)
         lengths, identical = [], 0
         for ids, ref in zip(prompts, reference):
             out = spec_generate(drafter, target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops)

