@@ -68,11 +68,12 @@ def final_state(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_resume_after_a_kill_matches_an_uninterrupted_run(target_dir, tmp_path):
+    steps = 100  # long enough that the run cannot finish before the poller kills it after step 2
     straight = tmp_path / "straight"
-    train(load_config(None, overrides(target_dir, straight)))
+    train(load_config(None, overrides(target_dir, straight, steps=steps)))
 
     killed = tmp_path / "killed"
-    cmd = [sys.executable, "-m", "dflash2.train", *overrides(target_dir, killed, steps=6)]
+    cmd = [sys.executable, "-m", "dflash2.train", *overrides(target_dir, killed, steps=steps)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 240
     while time.time() < deadline:  # kill it as soon as it has made progress, wherever it is
@@ -83,12 +84,12 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(target_dir, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     resumed_from = load_checkpoint(killed / "ckpt.pt")["step"]
-    assert 2 <= resumed_from < 6, "the run must be killed mid-way for this test to mean anything"
+    assert 2 <= resumed_from < steps, "the run must be killed mid-way for this test to mean anything"
     assert not (killed / "final").exists()
-    train(load_config(None, overrides(target_dir, killed, steps=6)))
+    train(load_config(None, overrides(target_dir, killed, steps=steps)))
     a, b = final_state(straight), final_state(killed)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    assert json.loads((killed / "ckpt.config.json").read_text())["steps"] == 6
+    assert json.loads((killed / "ckpt.config.json").read_text())["steps"] == steps
 
 
 def test_ddp_two_processes_keep_identical_replicas(target_dir, tmp_path):
