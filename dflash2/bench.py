@@ -11,6 +11,8 @@ to `out`. Methods:
     dflash1          spec_generate with the DFlash-1 drafter
     dflash2_walk     spec_generate with the DFlash-2 drafter, published greedy walk
     dflash2_viterbi  the same weights with the exact Viterbi selector
+    dflash2_tree     the walk drafter's lattice verified as a token tree (verify="tree"), one row per
+                     size in `tree_nodes` (method names dflash2_tree<M>)
 
 Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
 back to back. `--quick` runs tiny random models for a smoke test (what CI runs).
@@ -39,7 +41,8 @@ from .overrides import load_yaml_with_overrides
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
-ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi")
+ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
+               "dflash2_tree")
 
 
 @dataclass
@@ -55,6 +58,7 @@ class BenchConfig:
     block_sizes: list[int] = field(default_factory=lambda: [8, 16])
     settings: list[str] = field(default_factory=lambda: ["greedy", "sampling"])
     methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
+    tree_nodes: list[int] = field(default_factory=lambda: [32])
     repetitions: int = 3
     seed: int = 0
     out: str = "docs/results/bench"
@@ -67,6 +71,8 @@ class BenchConfig:
         bad = sorted(set(self.settings) - set(SETTINGS))
         if bad:
             raise ValueError(f"unknown settings {bad}; known: {list(SETTINGS)}")
+        if any(not isinstance(m, int) or m < 1 for m in self.tree_nodes):
+            raise ValueError(f"tree_nodes must be positive integers, got {self.tree_nodes}")
 
 
 # -- models and prompts -----------------------------------------------------------------------------
@@ -161,13 +167,13 @@ class Run:
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
                  stops: list[int]) -> dict[str, Callable[[torch.Tensor, dict, int], Run]]:
-    def ours(drafter):
+    def ours(drafter, **verify):
         def run(ids, setting, seed):
             g = torch.Generator().manual_seed(seed)
             out = (ar_generate(target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
                    spec_generate(drafter, target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
-                                 generator=g, **setting))
+                                 generator=g, **setting, **verify))
             other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
                        dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other))
@@ -194,7 +200,10 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
         walk = drafters["dflash2"].with_config(block_size=block)
         methods["dflash2_walk"] = ours(walk)
         methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
-    return {name: fn for name, fn in methods.items() if name in cfg.methods}
+        for m in cfg.tree_nodes:
+            methods[f"dflash2_tree{m}"] = ours(walk, verify="tree", tree_nodes=m)
+    return {name: fn for name, fn in methods.items()
+            if name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)}
 
 
 # -- the run -------------------------------------------------------------------------------------------

@@ -25,8 +25,9 @@ from .backbone import BlockDiffusionBackbone, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead
 from .rng import RandomSource
-from .selector import build_selector
+from .selector import CodebookSelector, build_selector
 from .target import TargetAdapter
+from .tree import TokenTree, best_first_tree
 from .verify import Draft
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -154,6 +155,25 @@ class DFlash2Drafter(nn.Module):
         logits = self.draft_logits(hidden, target)  # [L, V]
         cands = self.candidates(logits)  # ids, U: [L, K]
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
+
+    @torch.no_grad()
+    def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
+                     max_nodes: int, max_depth: int) -> TokenTree:
+        """Like `propose`, but returns the `max_nodes` most probable nodes of the B×K lattice (depth
+        <= max_depth) as a token tree for `verify="tree"`. Deterministic at every temperature: the
+        tree verifier's one-decision-per-node rule handles sampling."""
+        self.backbone.extend_context(cache, new_features)
+        L = min(self.config.block_size - 1, max_depth)
+        if L <= 0 or max_nodes <= 0:
+            return TokenTree.empty(new_features.device)
+        hidden = self.block_hidden(cache, anchor, target)[0, 1: L + 1]  # [L, H]
+        cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [L, K]
+        if isinstance(self.candidate_selector, CodebookSelector):
+            first, steps = self.candidate_selector.lattice(cands, hidden, anchor)  # [K], [L-1, K, K]
+        else:  # argmax (DFlash-1): the unary scores alone
+            K = cands.ids.shape[1]
+            first, steps = cands.scores[0], cands.scores[1:, None, :].expand(-1, K, K)
+        return best_first_tree(cands.ids, first, steps, max_nodes)
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
         """block ids [...] → [..., H] through the target's embedding (× input_embedding_scale)."""

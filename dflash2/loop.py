@@ -7,6 +7,10 @@
         verdict = verify_block(draft, logits)                  accepted prefix + correction/bonus
         commit the accepted tokens and the next token; crop the target cache to the committed
         length; the verified positions' features become the drafter's new context
+
+With verify="tree" the drafter proposes a token tree (the best nodes of its B×K lattice), the
+target scores every node in one pass with a tree attention mask, `verify_tree` walks down it, and
+the cache keeps the anchor and the accepted path's entries.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from torch import Tensor
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams, greedy_token, process_logits
 from .target import TargetAdapter
-from .verify import Draft, commit, verify_block
+from .tree import TokenTree, verify_tree
+from .verify import Draft, Verdict, commit, verify_block
 
 
 class Drafter(Protocol):
@@ -50,6 +55,9 @@ class AutoregressiveDrafter:
 
     def propose(self, cache, anchor, new_features, target, temperature, rng) -> Draft:
         return Draft(torch.zeros(0, dtype=torch.long, device=target.device))
+
+    def propose_tree(self, cache, anchor, new_features, target, max_nodes, max_depth) -> TokenTree:
+        return TokenTree.empty(target.device)
 
 
 @dataclass(frozen=True)
@@ -94,9 +102,13 @@ class GenerationResult:
 def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens: int, temperature: float = 0.0,
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                   generator: torch.Generator | None = None, rng: RandomSource | None = None,
-                  on_commit: Callable[[list[int], int], None] | None = None) -> GenerationResult:
+                  on_commit: Callable[[list[int], int], None] | None = None, verify: str = "path",
+                  tree_nodes: int = 32) -> GenerationResult:
     """Lossless speculative decoding of one sequence: greedy output equals the target's greedy output,
     sampled output has exactly the target's processed distribution (temperature → top-k → top-p).
+
+    verify: "path" checks the selector's one path; "tree" checks a tree of at most `tree_nodes`
+    draft nodes in one target pass (attention-only targets; the drafter needs `propose_tree`).
 
     target: an HF causal LM, or a TargetAdapter around one. input_ids: [1, T] or [T] long prompt.
     `rng` overrides `generator` (tests inject a source that enumerates every random branch).
@@ -110,6 +122,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     _check_pair(drafter, tgt)
     prompt = _check_prompt(input_ids, tgt, max_new_tokens)
     stops = _check_stops(stop_token_ids, tgt.vocab_size)
+    _check_verify(verify, tree_nodes, drafter, tgt)
     rng = rng or TorchRandom(generator)
     sync = _synchronizer(tgt.device)
 
@@ -131,16 +144,27 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         finish = "stop" if anchor in stops else "length"
         while finish != "stop" and len(tokens) - prompt.shape[1] < max_new_tokens:
             budget = max_new_tokens - (len(tokens) - prompt.shape[1])
+            depth = min(budget - 1, drafter.block_size - 1)
             t0 = time.perf_counter()
-            draft = drafter.propose(draft_cache, anchor, new_features, tgt, params.temperature, rng)
-            draft = draft.truncate(min(budget - 1, drafter.block_size - 1))
-            sync()
-            t1 = time.perf_counter()
-            block = torch.cat([torch.tensor([anchor], device=tgt.device), draft.tokens.to(tgt.device)])
-            step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
-            verdict = verify_block(draft, step.logits[0], params, rng)
-            committed, stopped = commit(draft.tokens.tolist(), verdict, budget, stops)
-            tgt.rollback(cache, step, verdict.num_accepted + 1)  # keep the anchor and the accepted drafts
+            if verify == "tree":
+                tree = drafter.propose_tree(draft_cache, anchor, new_features, tgt, tree_nodes, depth)
+                sync()
+                t1 = time.perf_counter()
+                step = tgt.forward_tree(anchor, tree, cache)  # logits [1, M+1, V]
+                found = verify_tree(tree, step.logits[0], params, rng)
+                drafted, verdict = tree.tokens[found.path].tolist(), Verdict(len(found.path), found.next_token)
+                rows = [0, *(node + 1 for node in found.path)]  # the anchor and the accepted path
+            else:
+                draft = drafter.propose(draft_cache, anchor, new_features, tgt, params.temperature, rng)
+                draft = draft.truncate(depth)
+                sync()
+                t1 = time.perf_counter()
+                block = torch.cat([torch.tensor([anchor], device=tgt.device), draft.tokens.to(tgt.device)])
+                step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
+                verdict = verify_block(draft, step.logits[0], params, rng)
+                drafted, rows = draft.tokens.tolist(), list(range(verdict.num_accepted + 1))
+            committed, stopped = commit(drafted, verdict, budget, stops)
+            tgt.keep(cache, step, rows)  # the anchor and the accepted drafts
             sync()
             timings["draft_s"] += t1 - t0
             timings["verify_s"] += time.perf_counter() - t1
@@ -149,7 +173,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             if on_commit:
                 on_commit(committed, min(verdict.num_accepted, len(committed)))
             anchor = committed[-1]
-            new_features = None if step.features is None else step.features[:, : verdict.num_accepted + 1]
+            new_features = None if step.features is None else step.features[:, rows]
             finish = "stop" if stopped else "length"
     sequences = torch.tensor([tokens], dtype=torch.long, device=prompt.device)
     return GenerationResult(sequences, prompt.shape[1], lengths, finish, total_s=time.perf_counter() - start,
@@ -206,6 +230,20 @@ def _check_prompt(input_ids, tgt: TargetAdapter, max_new_tokens) -> Tensor:
         raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"target's maximum positions ({limit})")
     return input_ids.to(tgt.device)
+
+
+def _check_verify(verify: str, tree_nodes: int, drafter: Drafter, tgt: TargetAdapter) -> None:
+    if verify not in ("path", "tree"):
+        raise ValueError(f"verify must be 'path' or 'tree', got {verify!r}")
+    if verify == "path":
+        return
+    if isinstance(tree_nodes, bool) or not isinstance(tree_nodes, int) or tree_nodes < 1:
+        raise ValueError(f"tree_nodes must be an integer >= 1, got {tree_nodes!r}")
+    if not callable(getattr(drafter, "propose_tree", None)):
+        raise ValueError(f"verify='tree' needs a drafter with propose_tree; {type(drafter).__name__} has none")
+    if tgt.hybrid:
+        raise ValueError("verify='tree' needs an attention-only target: this one has linear_attention layers, whose "
+                         "single recurrent state cannot follow several branches; use verify='path'")
 
 
 def _check_stops(stop_token_ids, vocab_size: int) -> frozenset[int]:

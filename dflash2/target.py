@@ -7,6 +7,8 @@ of the package sees three operations with explicit state:
     cache = adapter.new_cache()
     step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V], features [1, T, F] or None
     adapter.rollback(cache, step, keep)          # keep only the first `keep` of the step's T tokens
+    step  = adapter.forward_tree(anchor, tree, cache)  # [anchor, M tree nodes] in one pass
+    adapter.keep(cache, step, rows)              # keep the step's tokens at `rows` (a path), drop the rest
 
 plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
 
@@ -32,6 +34,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
+
+from .tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -125,6 +129,68 @@ class TargetAdapter:
         _restore(cache, step.snapshot)
         if keep > 0:
             self.model(input_ids=step.input_ids[:, :keep], use_cache=True, **{self._cache_kw: cache})
+
+    @torch.no_grad()
+    def forward_tree(self, anchor: int, tree: TokenTree, cache: DynamicCache) -> TargetStep:
+        """Score [anchor, tree nodes] (M+1 tokens) in one pass after the cached positions.
+
+        Node i sits at position start + depth(i) and sees the cache, the anchor and its own ancestors
+        (and, on sliding-window layers, only keys within the window of its position). Row 0 of the
+        logits follows the anchor, row i+1 follows node i's path.
+        """
+        if self.hybrid:
+            raise NotImplementedError("verify='tree' needs an attention-only target: linear_attention layers keep a "
+                                      "single recurrent state, which cannot follow several branches; use verify='path'")
+        start = cache.get_seq_length()
+        M = tree.tokens.shape[0]
+        device = self.device
+        ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()]).to(device)[None]  # [1, M+1]
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths() if M else tree.tokens.cpu()])
+        q_pos = start + depth  # [M+1]
+        k_pos = torch.cat([torch.arange(start), q_pos])  # [start + M+1]
+        visible = torch.eye(M + 1, dtype=torch.bool)
+        visible[:, 0] = True  # every node sees the anchor
+        if M:
+            visible[1:, 1:] = tree.ancestor_mask()
+        allowed = torch.cat([torch.ones(M + 1, start, dtype=torch.bool), visible], dim=1)  # [M+1, start+M+1]
+        dtype = self.model.get_input_embeddings().weight.dtype
+        masks = {}
+        for kind, window in self._attention_kinds().items():
+            ok = allowed if window is None else allowed & (q_pos[:, None] - k_pos[None, :] < window)
+            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None].to(device)
+        mask = next(iter(masks.values())) if len(masks) == 1 else masks
+        want = bool(self.layer_ids)
+        out = self.model(input_ids=ids, position_ids=q_pos[None].to(device), attention_mask=mask, use_cache=True,
+                         output_hidden_states=want, **{self._cache_kw: cache})
+        features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if want else None
+        return TargetStep(out.logits, features, ids, start, None)
+
+    def keep(self, cache: DynamicCache, step: TargetStep, rows: list[int]) -> None:
+        """Keep, of the tokens `step` added, those at `rows` (ascending: the anchor and a path)."""
+        if rows == list(range(len(rows))):
+            self.rollback(cache, step, len(rows))
+            return
+        if self.hybrid:
+            raise NotImplementedError("hybrid targets can only keep a prefix of a step")
+        index = torch.cat([torch.arange(step.start), step.start + torch.tensor(rows)]).to(self.device)
+        for layer in cache.layers:  # DynamicLayer: [N, heads, S, head_dim]
+            layer.keys = layer.keys.index_select(-2, index)
+            layer.values = layer.values.index_select(-2, index)
+
+    def _attention_kinds(self) -> dict[str, int | None]:
+        """Attention layer kinds of the target and their sliding window (None: full attention)."""
+        impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
+        if impl not in ("eager", "sdpa"):
+            raise NotImplementedError(f"verify='tree' builds a custom attention mask: it needs attn_implementation "
+                                      f"'eager' or 'sdpa', the target uses {impl!r}")
+        window = getattr(self.config, "sliding_window", None)
+        types = getattr(self.config, "layer_types", None)
+        if not types:  # Mistral-style: one kind for every layer
+            use = getattr(self.config, "use_sliding_window", True) is not False
+            return {"full_attention": window if use else None}
+        if "chunked_attention" in types:
+            raise NotImplementedError("verify='tree' does not support chunked-attention targets; use verify='path'")
+        return {kind: (window if kind == "sliding_attention" else None) for kind in dict.fromkeys(types)}
 
     def crop(self, cache: DynamicCache, length: int) -> None:
         """Keep the first `length` positions. A negative count works on every 5.x cache API."""

@@ -223,7 +223,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
             features = torch.cat([t_out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
             soft = t_out.logits.float().softmax(-1) if cfg.soft_targets else None
         g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
-        anchors = sample_anchors(ids.shape[0], ids.shape[1], B, cfg.anchors_per_seq, g).to(device)
+        anchors = sample_anchors(ids.shape[0], ids.shape[1], B, cfg.anchors_per_seq, g,
+                                 low=cfg.data.prompt_tokens - 1).to(device)  # labels: responses only
         losses = step_module(ids, features, anchors, soft)
         opt.zero_grad(set_to_none=True)
         losses.total.backward()

@@ -2,7 +2,7 @@
 
 All blocks of a sequence go through the backbone in one masked forward pass:
 
-    anchors a_1..a_A (random, 1 <= a < T - B + 1)       block j = [ids[a_j], MASK × (B-1)] at a_j..a_j+B-1
+    anchors a_1..a_A (random, low <= a <= T - B)        block j = [ids[a_j], MASK × (B-1)] at a_j..a_j+B-1
     context = fused features of every position 0..T-1   block j sees context positions p < a_j only
                                                         (strictly before its anchor: the anchor has no
                                                         target hidden state at inference), itself
@@ -44,13 +44,18 @@ class Losses(NamedTuple):
     metrics: dict[str, float | list[float]]
 
 
-def sample_anchors(N: int, T: int, B: int, A: int, generator: torch.Generator) -> Tensor:
-    """[N, A] sorted distinct anchors in [1, T - B] (every label a + k < T exists)."""
+def sample_anchors(N: int, T: int, B: int, A: int, generator: torch.Generator, low: int = 1) -> Tensor:
+    """[N, A] sorted distinct anchors in [low, T - B] (every label a + k < T exists).
+
+    Training passes low = prompt_tokens - 1, so that every label is a token the target produced:
+    prompt text is context only (the drafter never has to predict what the target would not say).
+    """
     high = T - B  # inclusive upper bound
-    if high < 1:
-        raise ValueError(f"sequences of {T} tokens are too short for blocks of {B}")
-    A = min(A, high)
-    rows = [torch.randperm(high, generator=generator)[:A].sort().values + 1 for _ in range(N)]
+    low = max(1, low)
+    if high < low:
+        raise ValueError(f"sequences of {T} tokens have no anchor in [{low}, {high}] for blocks of {B}")
+    A = min(A, high - low + 1)
+    rows = [torch.randperm(high - low + 1, generator=generator)[:A].sort().values + low for _ in range(N)]
     return torch.stack(rows)
 
 

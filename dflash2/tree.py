@@ -16,6 +16,7 @@ the longest acceptance is lossy; so is forgetting the residual after a rejected 
 
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,11 @@ class TokenTree(NamedTuple):
 
     tokens: Tensor
     parents: Tensor
+
+    @staticmethod
+    def empty(device=None) -> "TokenTree":
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        return TokenTree(none, none.clone())
 
     @staticmethod
     def from_paths(paths: list[list[int]]) -> "TokenTree":
@@ -116,3 +122,35 @@ def verify_tree(tree: TokenTree, logits: Tensor, params: SamplingParams, rng: Ra
             return TreeVerdict(path, rng.categorical(residual))
         path.append(accepted)
         node = accepted
+
+
+def best_first_tree(ids: Tensor, first: Tensor, steps: Tensor, max_nodes: int) -> TokenTree:
+    """The `max_nodes` most probable nodes of the candidate lattice, as a token tree.
+
+    ids [L, K] candidate tokens per draft position; first [K] scores from the anchor; steps [L-1, K, K]
+    scores from candidate i at position t to candidate j at t+1 (a selector's lattice, or the unary
+    scores repeated). A node's value is the sum of log-softmax (over the K successors) of the scores
+    along its path; values only fall with depth, so the best nodes form a prefix-closed set, grown
+    best-first from the anchor. Siblings come out best first, which is the order they are tried.
+    The selector's greedy path is the tree's first branch.
+    """
+    L, K = ids.shape
+    if L == 0 or max_nodes <= 0:
+        return TokenTree.empty(ids.device)
+    log_first = first.double().log_softmax(-1).tolist()
+    log_steps = steps.double().log_softmax(-1)  # [L-1, K, K]
+    cand = ids.tolist()
+    heap = [(-log_first[k], 0, k, -1) for k in range(K)]  # (-value, depth, candidate, parent node)
+    heapq.heapify(heap)
+    tokens: list[int] = []
+    parents: list[int] = []
+    while heap and len(tokens) < max_nodes:
+        neg, t, k, parent = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(cand[t][k])
+        parents.append(parent)
+        if t + 1 < L:
+            for j, lp in enumerate(log_steps[t, k].tolist()):
+                heapq.heappush(heap, (neg - lp, t + 1, j, node))
+    as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
+    return TokenTree(as_long(tokens), as_long(parents))

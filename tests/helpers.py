@@ -215,3 +215,41 @@ def oracle_drafter(block_size: int, reference: list[int], corrupt_every: int = 0
         return out
 
     return StubDrafter(block_size, fn)
+
+
+class TreeStubDrafter(StubDrafter):
+    """Drafts token trees with a function (anchor, position) → list of paths (merged by prefix); its
+    `propose` path is the first of them."""
+
+    def __init__(self, block_size: int, paths_fn: Callable[[int, int], list[list[int]]]) -> None:
+        super().__init__(block_size, lambda anchor, pos: paths_fn(anchor, pos)[0])
+        self.paths_fn = paths_fn
+
+    def propose_tree(self, cache, anchor, new_features, target: TargetAdapter, max_nodes: int, max_depth: int):
+        from dflash2.tree import TokenTree
+
+        cache["position"] += new_features.shape[1]
+        depth = min(max_depth, self.block_size - 1)
+        paths = [p[:depth] for p in self.paths_fn(anchor, cache["position"])]
+        tree = TokenTree.from_paths([p for p in paths if p])  # nodes come after their parents:
+        return TokenTree(tree.tokens[:max_nodes], tree.parents[:max_nodes])  # any prefix is a tree
+
+
+def oracle_tree_drafter(block_size: int, reference: list[int], width: int, corrupt_every: int, seed: int):
+    """`width` branches over the target's greedy continuation, nested so the tree outlives its first
+    path: with C the drafted positions p where p % corrupt_every == 0, branch b is wrong (a random
+    other token) at C[b], C[b+1], ... and right before. Branch 0 fails at C[0]; the tree carries on
+    through branch 1 and fails only at C[width-1]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def fn(anchor: int, pos: int) -> list[list[int]]:
+        truth = [reference[pos + j] if pos + j < len(reference) else 0 for j in range(1, block_size)]
+        wrong = [j for j in range(len(truth)) if corrupt_every and (pos + 1 + j) % corrupt_every == 0]
+        paths = []
+        for b in range(width):
+            path = list(truth)
+            for j in wrong[b:]:
+                path[j] = (truth[j] + int(torch.randint(1, VOCAB, (1,), generator=g))) % VOCAB
+            paths.append(path)
+        return paths
+    return TreeStubDrafter(block_size, fn)

@@ -87,8 +87,12 @@ def test_sample_anchors_in_range_and_distinct():
     assert a.shape == (3, 10)
     assert (a >= 1).all() and (a <= 32).all()
     assert all(len(set(row.tolist())) == 10 for row in a)
-    with pytest.raises(ValueError, match="too short"):
+    with pytest.raises(ValueError, match="no anchor"):
         sample_anchors(1, 8, 8, 2, torch.Generator())
+    # responses only: with a 20-token prompt the first label is the first generated token (position 20)
+    r = sample_anchors(4, 40, 8, 100, torch.Generator().manual_seed(1), low=19)
+    assert r.shape == (4, 32 - 19 + 1) and (r >= 19).all() and (r <= 32).all()
+    assert all(len(set(row.tolist())) == r.shape[1] for row in r)
 
 
 def test_losses_train_the_drafter_not_the_target():

@@ -23,18 +23,8 @@ sleep 5
 log "target at step $TARGET_STEPS or later: exporting"
 python experiments/embedded/train_target.py --export
 [ -f runs/embedded/prompts.pt ] || python experiments/embedded/build_prompts.py
-log "regenerating the shared drafter data with the target"
-python -m dflash2.train --config configs/embedded_dflash2.yaml --stop-after 0
-log "training both drafters"
-OMP_NUM_THREADS=1 python -m dflash2.train --config configs/embedded_dflash2.yaml > runs/embedded/dflash2.out 2>&1 &
-OMP_NUM_THREADS=1 python -m dflash2.train --config configs/embedded_dflash1.yaml > runs/embedded/dflash1.out 2>&1 &
-wait
-for v in dflash2 dflash1; do
-  rm -rf "dflash2/embedded/$v" && cp -r "runs/embedded/$v/final" "dflash2/embedded/$v"
-done
+bash experiments/embedded/train_drafters.sh
 log "training the AR draft model"
 python experiments/embedded/train_target.py --preset ar_draft --steps 600 --eval-every 300
 python experiments/embedded/train_target.py --preset ar_draft --steps 600 --export
-log "evaluating on HumanEval"
-python experiments/embedded/eval_humaneval.py
 log "done"
