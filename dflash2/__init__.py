@@ -5,6 +5,7 @@ pass; a two-tap dynamic convolution, per-position top-K candidates and a path se
 pick the path; the target verifies the block in one pass, losslessly.
 """
 
+from .batch import ar_generate_batch, spec_generate_batch
 from .backbone import BlockDiffusionBackbone, ContextCache
 from .config import DFlash2Config, default_target_layer_ids
 from .conv import NoConv, TwoTapDynamicConv
@@ -16,7 +17,7 @@ from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams, greedy_token, process_logits
 from .selector import ArgmaxSelector, ViterbiSelector, WalkSelector, viterbi_path
 from .target import TargetAdapter
-from .tree import TokenTree, TreeVerdict, verify_tree
+from .tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
 from .verify import Draft, Verdict, commit, verify_block
 
 __version__ = "0.1.0"
@@ -25,6 +26,6 @@ __all__ = [
     "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
     "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
     "SamplingParams", "TargetAdapter", "TokenTree", "TorchRandom", "TreeVerdict", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
-    "WalkSelector", "ar_generate", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",
-    "spec_generate", "verify_block", "verify_tree", "viterbi_path",
+    "WalkSelector", "ar_generate", "ar_generate_batch", "best_first_tree", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",
+    "spec_generate", "spec_generate_batch", "verify_block", "verify_tree", "viterbi_path",
 ]

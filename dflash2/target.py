@@ -143,39 +143,59 @@ class TargetAdapter:
                                       "single recurrent state, which cannot follow several branches; use verify='path'")
         start = cache.get_seq_length()
         M = tree.tokens.shape[0]
-        device = self.device
-        ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()]).to(device)[None]  # [1, M+1]
+        ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()])[None]  # [1, M+1]
         depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths() if M else tree.tokens.cpu()])
-        q_pos = start + depth  # [M+1]
-        k_pos = torch.cat([torch.arange(start), q_pos])  # [start + M+1]
+        q_pos = (start + depth)[None]  # [1, M+1]
         visible = torch.eye(M + 1, dtype=torch.bool)
         visible[:, 0] = True  # every node sees the anchor
         if M:
             visible[1:, 1:] = tree.ancestor_mask()
-        allowed = torch.cat([torch.ones(M + 1, start, dtype=torch.bool), visible], dim=1)  # [M+1, start+M+1]
+        allowed = torch.cat([torch.ones(M + 1, start, dtype=torch.bool), visible], dim=1)[None]  # [1, M+1, start+M+1]
+        k_pos = torch.cat([torch.arange(start)[None], q_pos], dim=1)
+        return self.forward_masked(ids, q_pos, k_pos, allowed, cache)
+
+    @torch.no_grad()
+    def forward_masked(self, ids: Tensor, q_pos: Tensor, k_pos: Tensor, allowed: Tensor, cache: DynamicCache
+                       ) -> TargetStep:
+        """The general pass behind trees and batches: ids [R, W] at positions q_pos [R, W] after the
+        cache's S slots; k_pos [R, S+W] the position of every key slot (cached, then new); allowed
+        [R, W, S+W] which keys each query may see. Sliding-window layers also drop keys farther than
+        their window (by position, so holes and trees are handled). The cache grows by W slots."""
+        if self.hybrid:
+            raise NotImplementedError("custom attention masks need an attention-only target")
         dtype = self.model.get_input_embeddings().weight.dtype
         masks = {}
         for kind, window in self._attention_kinds().items():
-            ok = allowed if window is None else allowed & (q_pos[:, None] - k_pos[None, :] < window)
-            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[None, None].to(device)
+            ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[:, None].to(self.device)
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
         want = bool(self.layer_ids)
-        out = self.model(input_ids=ids, position_ids=q_pos[None].to(device), attention_mask=mask, use_cache=True,
-                         output_hidden_states=want, **{self._cache_kw: cache})
+        start = cache.get_seq_length()
+        out = self.model(input_ids=ids.to(self.device), position_ids=q_pos.to(self.device), attention_mask=mask,
+                         use_cache=True, output_hidden_states=want, **{self._cache_kw: cache})
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if want else None
         return TargetStep(out.logits, features, ids, start, None)
+
+    def select_rows(self, cache: DynamicCache, rows: Tensor) -> None:
+        """Keep only the batch rows `rows` of the cache (finished sequences stop costing compute)."""
+        for layer in cache.layers:
+            layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
+            layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+
+    def keep_slots(self, cache: DynamicCache, slots: Tensor) -> None:
+        """Keep only the cache slots `slots` (ascending), in every row."""
+        if self.hybrid:
+            raise NotImplementedError("hybrid targets can only keep a prefix of their cache")
+        for layer in cache.layers:  # DynamicLayer: [N, heads, S, head_dim]
+            layer.keys = layer.keys.index_select(-2, slots.to(layer.keys.device))
+            layer.values = layer.values.index_select(-2, slots.to(layer.values.device))
 
     def keep(self, cache: DynamicCache, step: TargetStep, rows: list[int]) -> None:
         """Keep, of the tokens `step` added, those at `rows` (ascending: the anchor and a path)."""
         if rows == list(range(len(rows))):
             self.rollback(cache, step, len(rows))
             return
-        if self.hybrid:
-            raise NotImplementedError("hybrid targets can only keep a prefix of a step")
-        index = torch.cat([torch.arange(step.start), step.start + torch.tensor(rows)]).to(self.device)
-        for layer in cache.layers:  # DynamicLayer: [N, heads, S, head_dim]
-            layer.keys = layer.keys.index_select(-2, index)
-            layer.values = layer.values.index_select(-2, index)
+        self.keep_slots(cache, torch.cat([torch.arange(step.start), step.start + torch.tensor(rows)]))
 
     def _attention_kinds(self) -> dict[str, int | None]:
         """Attention layer kinds of the target and their sliding window (None: full attention)."""

@@ -1,0 +1,163 @@
+"""Batched decoding is lossless per row.
+
+* greedy: every row of a Hypothesis-drawn batch of ragged (left-padded) prompts equals HF generate
+  on that row alone, with drafters whose acceptance differs between rows and rounds;
+* sampling: the exact joint distribution of a 2-row batch, enumerated over every random branch of
+  the real `spec_generate_batch`, is the product of the rows' AR distributions;
+* finished rows leave the batch: the target's passes shrink as rows stop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash2 import (DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, process_logits,
+                     spec_generate_batch)
+from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
+                           hf_greedy, max_abs_diff, tiny_target)
+
+
+class RowOracle:
+    """A drafter that copies each row's greedy continuation, with every corrupt_every-th drafted
+    token wrong (a different period per row, so rows accept different lengths). `new_cache` is
+    called once per row, in row order: the cache remembers which row it serves."""
+
+    def __init__(self, block_size: int, references: list[list[int]], corrupt: list[int]) -> None:
+        self.block_size, self.refs, self.corrupt = block_size, references, corrupt
+        self.target_layer_ids: tuple[int, ...] = (0,)
+        self._rows = 0
+
+    def new_cache(self) -> dict:
+        self._rows += 1
+        return {"row": self._rows - 1, "position": 0}
+
+    def propose(self, cache, anchor, new_features, target, temperature, rng) -> Draft:
+        cache["position"] += new_features.shape[1]
+        ref, every, pos = self.refs[cache["row"]], self.corrupt[cache["row"]], cache["position"]
+        out = []
+        for j in range(1, self.block_size):
+            tok = ref[pos + j] if pos + j < len(ref) else 0
+            if every and (pos + j) % every == 0:
+                tok = (tok + 1) % VOCAB
+            out.append(tok)
+        return Draft(torch.tensor(out, dtype=torch.long))
+
+
+def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    T = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
+    return ids, mask
+
+
+@functools.lru_cache(maxsize=None)
+def dflash_drafter(arch: str, block_size: int) -> DFlash2Drafter:
+    torch.manual_seed(block_size)
+    return DFlash2Drafter.from_target(tiny_target(arch), block_size=block_size, selector_top_k=3, selector_rank=8,
+                                      mask_token_id=VOCAB - 1, num_layers=1)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@settings(max_examples=12, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=9), min_size=1, max_size=4),
+       block_size=st.integers(1, 8), budget=st.integers(0, 16), kind=st.sampled_from(["oracle", "dflash", "ar"]),
+       data=st.data())
+def test_batched_greedy_equals_each_row_alone(arch, prompts, block_size, budget, kind, data):
+    target = tiny_target(arch)
+    refs = [hf_greedy(target, p, max(budget, 1)) for p in prompts]
+    stop = data.draw(st.none() | st.sampled_from(refs[0][len(prompts[0]):]), label="stop token")
+    stops = [stop] if stop is not None else None
+    expected = [hf_greedy(target, p, budget, stops) if budget > 0 else p for p in prompts]
+    ids, mask = left_pad(prompts)
+    if kind == "ar":
+        results = ar_generate_batch(target, ids, mask, max_new_tokens=budget, stop_token_ids=stops)
+    else:
+        drafter = (RowOracle(block_size, refs, [3 + r for r in range(len(prompts))]) if kind == "oracle"
+                   else dflash_drafter(arch, block_size))
+        results = spec_generate_batch(drafter, target, ids, mask, max_new_tokens=budget, stop_token_ids=stops)
+    assert [r.sequences[0].tolist() for r in results] == expected
+    for r, p in zip(results, prompts):
+        assert r.prompt_length == len(p)
+        assert all(1 <= n <= block_size for n in r.acceptance_lengths)
+        if budget > 0:
+            assert r.new_tokens.numel() == 1 + sum(r.acceptance_lengths)
+        assert (r.finish_reason == "stop") == (stop is not None and stop in r.new_tokens.tolist())
+
+
+def test_rows_accept_different_lengths_and_finished_rows_leave():
+    """Mixed per-row acceptance really happens, and the batch shrinks as rows stop."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 9, 2, 7], [1], [3, 3, 3, 3, 3, 3, 8]]
+    refs = [hf_greedy(target, p, 30) for p in prompts]
+    stop = refs[1][len(prompts[1]) + 4]  # row 1 stops early (unless the token comes sooner elsewhere)
+    expected = [hf_greedy(target, p, 30, [stop]) for p in prompts]
+    adapter = TargetAdapter(target, (0,))
+    widths = []
+    forward = adapter.forward_masked
+    adapter.forward_masked = lambda ids, *a: widths.append(ids.shape[0]) or forward(ids, *a)
+    results = spec_generate_batch(RowOracle(6, refs, [3, 4, 0]), adapter, *left_pad(prompts), max_new_tokens=30,
+                                  stop_token_ids=[stop])
+    assert [r.sequences[0].tolist() for r in results] == expected
+    assert results[2].acceptance_lengths[0] == 6 and min(results[0].acceptance_lengths) < 6
+    assert widths[0] == 3 and widths[-1] < 3, widths  # rows that finished left the batch
+    assert widths == sorted(widths, reverse=True)
+
+
+# -- exact joint distribution of a 2-row batch ----------------------------------------------------------
+V, PROMPTS, N_NEW = 3, ([1, 2], [2]), 3
+
+
+@functools.lru_cache(maxsize=None)
+def small_target():
+    return tiny_target("qwen3", vocab=V, seed=3)
+
+
+def small_drafter(selector: str) -> DFlash2Drafter:
+    torch.manual_seed(11)
+    d = DFlash2Drafter.from_target(small_target(), block_size=3, selector=selector, selector_top_k=2, selector_rank=4,
+                                   mask_token_id=V - 1)
+    if selector == "walk":  # a non-trivial pairwise term: the sampled walk's q depends on its path
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=3.0)
+    return d
+
+
+# the sampled walk (sparse stochastic q) at top-k 2; a deterministic path (one-hot q) at T=1
+@pytest.mark.parametrize("selector,params", [("walk", SamplingParams(0.8, top_k=2)), ("argmax", SamplingParams(1.0))],
+                         ids=["walk_T0.8_topk2", "argmax_T1"])
+def test_batched_sampling_is_exact_per_row(selector, params):
+    drafter, lengths = small_drafter(selector), set()
+
+    def program(rng):
+        results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
+                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng)
+        for r in results:
+            lengths.update(r.acceptance_lengths)
+        return tuple(tuple(r.new_tokens.tolist()) for r in results)
+
+    got, branches = enumerate_outcomes(program)
+    rows = [exact_ar_distribution(small_target(), p, N_NEW, lambda logits: process_logits(logits, params))
+            for p in PROMPTS]
+    expected = {(a, b): pa * pb for a, pa in rows[0].items() for b, pb in rows[1].items()}
+    print(f"{branches} branches, acceptance lengths {sorted(lengths)}")
+    assert max(lengths) > 1
+    assert max_abs_diff(got, expected) < 1e-12
+
+
+# -- errors -----------------------------------------------------------------------------------------
+def test_batch_errors():
+    target = tiny_target("qwen3")
+    d = dflash_drafter("qwen3", 4)
+    with pytest.raises(ValueError, match="left padding"):
+        spec_generate_batch(d, target, torch.tensor([[1, 2], [3, 4]]), torch.tensor([[1, 1], [1, 0]]), max_new_tokens=2)
+    with pytest.raises(ValueError, match="shape"):
+        spec_generate_batch(d, target, torch.tensor([[1, 2]]), torch.tensor([[1, 1, 1]]), max_new_tokens=2)
+    with pytest.raises(TypeError, match=r"\[N, T\]"):
+        spec_generate_batch(d, target, torch.tensor([1, 2]), max_new_tokens=2)
+    hybrid = tiny_target(next(iter(HYBRID_ARCHITECTURES)))
+    with pytest.raises(ValueError, match="attention-only"):
+        ar_generate_batch(hybrid, torch.tensor([[1, 2]]), max_new_tokens=2)
