@@ -2,7 +2,8 @@
 
     prefill the target on the left-padded prompts → each row's first token (its anchor)
     repeat while some row is alive:
-        each alive row r drafts L_r tokens (its own drafter cache, as in spec_generate)
+        each alive row r drafts L_r tokens (its own drafter cache; one drafter pass for all rows
+        when the drafter has `propose_batch`)
         one target pass over [R, W = 1 + max L_r]: row r's block sits at its own positions
         verify each row on its own → row r keeps n_r + 1 of its W new cache slots
         rows that hit a stop token or their budget leave the batch (and the cache)
@@ -81,11 +82,13 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
         timings["prefill_s"] = time.perf_counter() - start
         while alive:
             t0 = time.perf_counter()
-            drafts = []
-            for r in alive:  # each row drafts from its own context, exactly as spec_generate does
-                budget = max_new_tokens - (len(tokens[r]) - len(prompts[r]))
-                d = drafter.propose(draft_caches[r], anchors[r], new_features[r], tgt, params.temperature, rng)
-                drafts.append(d.truncate(min(budget - 1, B - 1)))
+            args = ([draft_caches[r] for r in alive], [anchors[r] for r in alive], [new_features[r] for r in alive])
+            if callable(getattr(drafter, "propose_batch", None)):  # every row in one drafter pass
+                drafts = drafter.propose_batch(*args, tgt, params.temperature, rng)
+            else:  # each row drafts from its own context, exactly as spec_generate does
+                drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
+            drafts = [d.truncate(min(max_new_tokens - (len(tokens[r]) - len(prompts[r])) - 1, B - 1))
+                      for r, d in zip(alive, drafts)]
             sync()
             t1 = time.perf_counter()
             W = 1 + max(d.tokens.shape[0] for d in drafts)

@@ -15,7 +15,9 @@ to `out`. Methods:
                      size in `tree_nodes` (method names dflash2_tree<M>)
 
 Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
-back to back. `--quick` runs tiny random models for a smoke test (what CI runs).
+back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also run
+on batches of that many prompts (spec_generate_batch / ar_generate_batch); tokens/s then sums the
+batch's rows and speedup is against batched AR at the same concurrency. `--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from .drafter import DFlash2Drafter
+from .batch import ar_generate_batch, spec_generate_batch
 from .loop import ar_generate, spec_generate
 from .overrides import load_yaml_with_overrides
 
@@ -59,6 +62,7 @@ class BenchConfig:
     settings: list[str] = field(default_factory=lambda: ["greedy", "sampling"])
     methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
     tree_nodes: list[int] = field(default_factory=lambda: [32])
+    concurrency: list[int] = field(default_factory=lambda: [1])
     repetitions: int = 3
     seed: int = 0
     out: str = "docs/results/bench"
@@ -71,6 +75,8 @@ class BenchConfig:
         bad = sorted(set(self.settings) - set(SETTINGS))
         if bad:
             raise ValueError(f"unknown settings {bad}; known: {list(SETTINGS)}")
+        if any(not isinstance(c, int) or c < 1 for c in self.concurrency):
+            raise ValueError(f"concurrency must be positive integers, got {self.concurrency}")
         if any(not isinstance(m, int) or m < 1 for m in self.tree_nodes):
             raise ValueError(f"tree_nodes must be positive integers, got {self.tree_nodes}")
 
@@ -206,6 +212,43 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             if name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)}
 
 
+def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], block: int,
+                       stops: list[int]) -> dict[str, Callable[[tuple, dict, int], Run]]:
+    """Our loop's methods on a batch (ids [N, T], attention_mask [N, T]); HF baselines have no batched
+    speculative path and are left out."""
+    def ours(drafter):
+        def run(batch, setting, seed):
+            g = torch.Generator().manual_seed(seed)
+            kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, **setting)
+            outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
+                spec_generate_batch(drafter, target, *batch, **kw)
+            o = outs[0]  # timings are the batch's
+            rounds = [n for r in outs for n in r.acceptance_lengths]
+            other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
+            return Run(sum(r.new_tokens.numel() for r in outs), o.total_s, None if drafter is None else rounds,
+                       dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other))
+        return run
+
+    methods: dict[str, Callable] = {"ar": ours(None)}
+    if "dflash1" in drafters:
+        methods["dflash1"] = ours(drafters["dflash1"].with_config(block_size=block))
+    if "dflash2" in drafters:
+        walk = drafters["dflash2"].with_config(block_size=block)
+        methods["dflash2_walk"] = ours(walk)
+        methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
+    return {name: fn for name, fn in methods.items() if name in cfg.methods}
+
+
+def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[1, T_i] prompts → ids [N, T], attention_mask [N, T] (left padding)."""
+    T = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), T), pad, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, T - p.shape[1]:], mask[i, T - p.shape[1]:] = p[0], 1
+    return ids, mask
+
+
 # -- the run -------------------------------------------------------------------------------------------
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     from tqdm import tqdm
@@ -217,19 +260,24 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         texts, sources[dataset] = load_prompts(dataset, cfg.num_prompts)
         prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
         for block in cfg.block_sizes:
-            methods = make_methods(cfg, target, drafters, ar_draft, block, stops)
-            for setting_name in cfg.settings:
-                setting = SETTINGS[setting_name]
-                runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
-                total = cfg.repetitions * len(prompts) * len(methods)
-                bar = tqdm(total=total, desc=f"{dataset} B={block} {setting_name}", leave=False)
-                for rep in range(cfg.repetitions):
-                    for p, ids in enumerate(prompts):
-                        for name, fn in methods.items():  # interleaved: every method back to back
-                            runs[name].append((rep, p, fn(ids, setting, cfg.seed + 1000 * rep + p)))
-                            bar.update()
-                bar.close()
-                rows += summarize(runs, dataset, block, setting_name, setting)
+            for conc in cfg.concurrency:
+                if conc == 1:
+                    methods, inputs = make_methods(cfg, target, drafters, ar_draft, block, stops), prompts
+                else:
+                    methods = make_batch_methods(cfg, target, drafters, block, stops)
+                    inputs = [left_pad(prompts[i: i + conc], stops[0]) for i in range(0, len(prompts), conc)]
+                for setting_name in cfg.settings:
+                    setting = SETTINGS[setting_name]
+                    runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
+                    total = cfg.repetitions * len(inputs) * len(methods)
+                    bar = tqdm(total=total, desc=f"{dataset} B={block} c={conc} {setting_name}", leave=False)
+                    for rep in range(cfg.repetitions):
+                        for p, ids in enumerate(inputs):
+                            for name, fn in methods.items():  # interleaved: every method back to back
+                                runs[name].append((rep, p, fn(ids, setting, cfg.seed + 1000 * rep + p)))
+                                bar.update()
+                    bar.close()
+                    rows += [dict(r, concurrency=conc) for r in summarize(runs, dataset, block, setting_name, setting)]
     write_outputs(cfg, rows, sources)
     return rows
 
@@ -269,11 +317,12 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}.", "",
              *[f"- {name}: {src}" for name, src in sources.items()], "",
-             "| dataset | B | setting | method | τ | tokens/s | speedup vs AR |", "|---|---|---|---|---|---|---|"]
+             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "—"
         speed = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "—"
-        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['setting']} | {r['method']} | {tau} | "
+        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | {tau} | "
                      f"{r['tokens_per_s']:.1f} | {speed} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
@@ -285,13 +334,15 @@ def _plot(rows, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    groups = sorted({(r["dataset"], r["block_size"], r["setting"]) for r in rows})
+    key = lambda r: (r["dataset"], r["block_size"], r["concurrency"], r["setting"])  # noqa: E731
+    groups = sorted({key(r) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
-    for ax, (dataset, block, setting) in zip(axes[0], groups):
-        sel = [r for r in rows if (r["dataset"], r["block_size"], r["setting"]) == (dataset, block, setting)]
+    for ax, group in zip(axes[0], groups):
+        sel = [r for r in rows if key(r) == group]
         ax.bar([r["method"] for r in sel], [r["speedup"] or 0 for r in sel])
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_title(f"{dataset}, B={block}, {setting}", fontsize=9)
+        dataset, block, conc, setting = group
+        ax.set_title(f"{dataset}, B={block}, c={conc}, {setting}", fontsize=9)
         ax.set_ylabel("speedup vs AR")
         ax.tick_params(axis="x", rotation=60, labelsize=7)
     fig.tight_layout()
@@ -308,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = load_yaml_with_overrides(args.config, args.overrides)
         if args.quick:
             raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8])
+            raw.setdefault("concurrency", [1, 2])
             raw.setdefault("out", "runs/bench-quick")
         unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(BenchConfig)})
         if unknown:

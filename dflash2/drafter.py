@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from . import reference_format
 from .backbone import BlockDiffusionBackbone, ContextCache
 from .config import DFlash2Config
-from .heads import CandidateHead
+from .heads import CandidateHead, Candidates
 from .rng import RandomSource
 from .selector import CodebookSelector, build_selector
 from .target import TargetAdapter
@@ -155,6 +155,32 @@ class DFlash2Drafter(nn.Module):
         logits = self.draft_logits(hidden, target)  # [L, V]
         cands = self.candidates(logits)  # ids, U: [L, K]
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
+
+    @torch.no_grad()
+    def propose_batch(self, caches: list[ContextCache], anchors: list[int], new_features: list[Tensor],
+                      target: TargetAdapter, temperature: float, rng: RandomSource) -> list[Draft]:
+        """Row r as `propose(caches[r], anchors[r], new_features[r], ...)`, every row in one backbone
+        pass: the rows' context K/V are left-padded to the longest and the padding is masked."""
+        for cache, features in zip(caches, new_features):
+            self.backbone.extend_context(cache, features)
+        R, B = len(caches), self.config.block_size
+        device = caches[0].keys[0].device
+        if B == 1:
+            return [Draft(torch.zeros(0, dtype=torch.long, device=device)) for _ in range(R)]
+        sizes = [c.keys[0].shape[2] for c in caches]
+        C = max(sizes)
+        pad = lambda t: torch.nn.functional.pad(t, (0, 0, C - t.shape[2], 0))  # noqa: E731  [1, kv, C, hd]
+        context = [(torch.cat([pad(c.keys[i]) for c in caches]), torch.cat([pad(c.values[i]) for c in caches]))
+                   for i in range(len(caches[0].keys))]
+        seen = torch.arange(C, device=device)[None, :] >= C - torch.tensor(sizes, device=device)[:, None]  # [R, C]
+        mask = torch.cat([seen[:, None, :].expand(R, B, C), torch.ones(R, B, B, dtype=torch.bool, device=device)], -1)
+        ids = torch.full((R, B), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = torch.tensor(anchors, device=device)
+        positions = torch.tensor([c.length for c in caches], device=device)[:, None] + torch.arange(B, device=device)
+        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None])[:, 1:]  # [R, L, H]
+        cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
+        return [self.candidate_selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature,
+                                        rng) for r in range(R)]
 
     @torch.no_grad()
     def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,

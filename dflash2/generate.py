@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--verify", choices=("path", "tree"), default="path",
+                   help="verify the selector's path, or a token tree from the drafter's lattice")
+    p.add_argument("--tree-nodes", type=int, default=32, help="draft nodes per round with --verify tree")
     p.add_argument("--compare-ar", action="store_true", help="also decode with plain AR and report the speedup")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    if args.tree_nodes < 1:
+        raise UsageError(f"--tree-nodes must be >= 1, got {args.tree_nodes}")
     if args.thinking is not None and not args.chat:
         raise UsageError("--thinking / --no-thinking need --chat")
     if bool(args.target) != bool(args.drafter):
@@ -106,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, stop_token_ids=stop_ids(target))
     sys.stdout.write(args.prompt)
-    spec = spec_generate(drafter, target, prompt_ids, on_commit=show,
+    spec = spec_generate(drafter, target, prompt_ids, on_commit=show, verify=args.verify, tree_nodes=args.tree_nodes,
                          generator=torch.Generator(device=args.device).manual_seed(args.seed), **sampling)
     n = spec.new_tokens.numel()
     print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s"

@@ -161,3 +161,34 @@ def test_batch_errors():
     hybrid = tiny_target(next(iter(HYBRID_ARCHITECTURES)))
     with pytest.raises(ValueError, match="attention-only"):
         ar_generate_batch(hybrid, torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("selector", ["argmax", "walk", "viterbi"])
+def test_propose_batch_equals_propose_per_row(selector):
+    """The drafter's batched pass (left-padded contexts, masked) drafts what each row drafts alone."""
+    from dflash2 import TorchRandom
+    from dflash2.drafter import DFlash2Drafter
+
+    target = tiny_target("llama")
+    torch.manual_seed(5)
+    d = DFlash2Drafter.from_target(target, block_size=6, selector=selector, selector_top_k=4, selector_rank=8,
+                                   mask_token_id=VOCAB - 1, num_layers=2, context_window=7)
+    if selector != "argmax":
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    prompts = [[5, 9, 2, 7, 1, 1, 3, 4, 8, 2], [1], [3, 3, 8]]
+    feats = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in prompts]
+    for temperature in (0.0, 1.0):
+        alone = [d.propose(d.new_cache(), 4, f, adapter, temperature, TorchRandom(torch.Generator().manual_seed(r)))
+                 for r, f in enumerate(feats)]
+        batch = []
+        for r, f in enumerate(feats):  # the same random stream per row: run the batch once per row
+            out = d.propose_batch([d.new_cache() for _ in feats], [4] * 3, feats, adapter, temperature,
+                                  TorchRandom(torch.Generator().manual_seed(r)))
+            batch.append(out[r] if temperature == 0 or r == 0 else None)
+        for r, (a, b) in enumerate(zip(alone, batch)):
+            if b is None:
+                continue
+            assert a.tokens.tolist() == b.tokens.tolist(), (selector, temperature, r)
+            if a.q_probs is not None:
+                assert torch.allclose(a.q_probs, b.q_probs, atol=1e-10)

@@ -11,10 +11,12 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
     expected = (set(ALL_METHODS) - {"dflash2_tree"}) | {"dflash2_tree32"}  # one row per tree size
-    assert {r["method"] for r in rows} == expected
+    assert {r["method"] for r in rows if r["concurrency"] == 1} == expected
+    batched = {"ar", "dflash1", "dflash2_walk", "dflash2_viterbi"}  # our loop's methods, batched
+    assert {r["method"] for r in rows if r["concurrency"] == 2} == batched
     assert {r["dataset"] for r in rows} == {"humaneval", "stdlib_heldout"}
     for r in rows:
-        for key in ("method", "dataset", "block_size", "temperature", "tau", "tokens_per_s", "speedup"):
+        for key in ("method", "dataset", "block_size", "concurrency", "temperature", "tau", "tokens_per_s", "speedup"):
             assert key in r, key
         assert r["tokens_per_s"] > 0 and r["speedup"] > 0
         if r["method"].startswith("dflash"):

@@ -24,6 +24,12 @@ def test_demo_runs_and_greedy_matches_ar():
     assert 1 <= n <= 12 and rounds <= max(n - 1, 0)
 
 
+def test_demo_tree_verification_matches_ar():
+    out = run_cli("--max-new-tokens", "16", "--verify", "tree", "--tree-nodes", "24", "--compare-ar")
+    assert out.returncode == 0, out.stderr
+    assert "greedy outputs identical: yes" in out.stdout
+
+
 def test_demo_sampling_with_config_and_block_size():
     out = run_cli("--config", "configs/dflash1.yaml", "--block-size", "4", "--max-new-tokens", "8",
                   "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--color", "never")
@@ -37,6 +43,8 @@ def test_demo_sampling_with_config_and_block_size():
     (["--temperature", "-1"], "temperature"),
     (["--block-size", "0"], "--block-size"),
     (["--max-new-tokens", "-3"], "--max-new-tokens"),
+    (["--verify", "tree", "--tree-nodes", "0"], "--tree-nodes"),
+    (["--verify", "forest"], "invalid choice"),
     (["--target", "/nonexistent", "--drafter", "/nonexistent"], "does not exist"),
     (["--target", "/nonexistent"], "go together"),
     (["--config", "/nonexistent.yaml"], "no such file"),
