@@ -2,13 +2,15 @@
 
 Everything version-specific about transformers' cache API lives here: the name of the cache keyword
 (`cache` in newer 5.x, `past_key_values` before), how to crop, which cache class to build. The rest
-of the package sees three operations with explicit state:
+of the package sees a few operations with explicit state:
 
     cache = adapter.new_cache()
     step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V], features [1, T, F] or None
     adapter.rollback(cache, step, keep)          # keep only the first `keep` of the step's T tokens
     step  = adapter.forward_tree(anchor, tree, cache)  # [anchor, M tree nodes] in one pass
     adapter.keep(cache, step, rows)              # keep the step's tokens at `rows` (a path), drop the rest
+    step  = adapter.forward_masked(ids [R, W], q_pos, k_pos, allowed, cache)   # batches: custom mask
+    adapter.select_rows(cache, rows); adapter.keep_slots(cache, slots)       # drop rows / dead slots
 
 plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
 
