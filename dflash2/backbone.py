@@ -128,20 +128,27 @@ class BlockDiffusionBackbone(nn.Module):
 
     def extend_context(self, cache: ContextCache, features: Tensor) -> ContextCache:
         """Append features [N, n, F] for positions cache.length .. cache.length+n-1 (in place)."""
-        n = features.shape[1]
-        positions = torch.arange(cache.length, cache.length + n, device=features.device)
-        new = self.context_kv(features, positions)
-        if not cache.keys:
-            cache.keys, cache.values = [k for k, _ in new], [v for _, v in new]
-        else:
-            cache.keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(cache.keys, new)]
-            cache.values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(cache.values, new)]
+        return self.extend_contexts([cache], [features])[0]
+
+    def extend_contexts(self, caches: list[ContextCache], features: list[Tensor]) -> list[ContextCache]:
+        """`extend_context` for several single-row caches with one projection over all their new
+        positions (features[r] [1, n_r, F]; RoPE is per position, so the rows can be concatenated)."""
+        sizes = [f.shape[1] for f in features]
+        device = features[0].device
+        positions = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, sizes)])
+        new = self.context_kv(torch.cat(features, dim=1), positions)  # per layer (k, v) [1, kv, Σn, hd]
         window = self.config.context_window
-        if window is not None and cache.keys[0].shape[2] > window:
-            cache.keys = [k[:, :, -window:] for k in cache.keys]
-            cache.values = [v[:, :, -window:] for v in cache.values]
-        cache.length += n
-        return cache
+        for r, cache in enumerate(caches):
+            lo, hi = sum(sizes[:r]), sum(sizes[: r + 1])
+            ks, vs = [k[:, :, lo:hi] for k, _ in new], [v[:, :, lo:hi] for _, v in new]
+            if cache.keys:
+                ks = [torch.cat([old, k], dim=2) for old, k in zip(cache.keys, ks)]
+                vs = [torch.cat([old, v], dim=2) for old, v in zip(cache.values, vs)]
+            if window is not None and ks[0].shape[2] > window:
+                ks, vs = [k[:, :, -window:] for k in ks], [v[:, :, -window:] for v in vs]
+            cache.keys, cache.values = ks, vs
+            cache.length += sizes[r]
+        return caches
 
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
                 mask: Tensor | None = None) -> Tensor:

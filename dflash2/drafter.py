@@ -161,8 +161,7 @@ class DFlash2Drafter(nn.Module):
                       target: TargetAdapter, temperature: float, rng: RandomSource) -> list[Draft]:
         """Row r as `propose(caches[r], anchors[r], new_features[r], ...)`, every row in one backbone
         pass: the rows' context K/V are left-padded to the longest and the padding is masked."""
-        for cache, features in zip(caches, new_features):
-            self.backbone.extend_context(cache, features)
+        self.backbone.extend_contexts(caches, new_features)
         R, B = len(caches), self.config.block_size
         device = caches[0].keys[0].device
         if B == 1:
@@ -179,8 +178,11 @@ class DFlash2Drafter(nn.Module):
         positions = torch.tensor([c.length for c in caches], device=device)[:, None] + torch.arange(B, device=device)
         hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None])[:, 1:]  # [R, L, H]
         cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
-        return [self.candidate_selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature,
-                                        rng) for r in range(R)]
+        selector = self.candidate_selector
+        if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
+            return selector.select_batch(cands, hidden, anchors)
+        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
+                for r in range(R)]
 
     @torch.no_grad()
     def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,

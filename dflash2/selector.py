@@ -32,6 +32,10 @@ class ArgmaxSelector(nn.Module):
         """cands [L, K] for one sequence → Draft of the top-1 tokens (deterministic)."""
         return Draft(cands.ids[:, 0])
 
+    def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
+        """cands [R, L, K] → one Draft per row (what forward gives row by row)."""
+        return [Draft(row) for row in cands.ids[:, :, 0]]
+
 
 class CodebookSelector(nn.Module):
     """Parameters and lattice scores shared by the walk and Viterbi selectors."""
@@ -81,6 +85,23 @@ class WalkSelector(CodebookSelector):
         if temperature > 0:
             return Draft(tokens, cands.ids, torch.stack(qs))
         return Draft(tokens)
+
+
+    def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
+        """The greedy (T=0) walk of R rows at once: cands [R, L, K], hidden [R, L, H]."""
+        R, L, K = cands.ids.shape
+        anchor_ids = torch.tensor(anchors, device=cands.ids.device)[:, None]  # [R, 1]
+        U = cands.scores.to(hidden.dtype)
+        first = U[:, 0] + self.edge_scores(anchor_ids, hidden[:, 0], cands.ids[:, 0])[:, 0]  # [R, K]
+        steps = U[:, 1:, None, :] + self.edge_scores(cands.ids[:, :-1], hidden[:, 1:], cands.ids[:, 1:])  # [R, L-1, K, K]
+        pick = first.argmax(-1)  # [R]
+        picks = [pick]
+        rows = torch.arange(R, device=pick.device)
+        for t in range(L - 1):
+            pick = steps[rows, t, pick].argmax(-1)
+            picks.append(pick)
+        index = torch.stack(picks, dim=1)  # [R, L]
+        return [Draft(row) for row in cands.ids.gather(2, index[..., None])[..., 0]]
 
 
 class ViterbiSelector(CodebookSelector):
