@@ -125,10 +125,17 @@ class DFlash2Drafter(nn.Module):
 
     def with_config(self, **changes: Any) -> "DFlash2Drafter":
         """A copy with some config fields changed and the same weights: block size, selector among
-        walk/viterbi, top-K, context window (fields that change no parameter shape)."""
+        walk/viterbi (or argmax, which drops the codebooks: the selector ablation), top-K, context
+        window (fields that change no parameter shape)."""
         weight = self.backbone.fc.weight
-        copy = DFlash2Drafter(self.config.replace(**changes)).to(device=weight.device, dtype=weight.dtype)
-        copy.load_state_dict(self.state_dict())
+        config = self.config.replace(**changes)
+        if config.selector != "argmax" and self.config.selector == "argmax":
+            raise ValueError(f"selector {config.selector!r} needs trained codebooks; this drafter has none (argmax)")
+        state = self.state_dict()
+        if config.selector == "argmax":
+            state = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}
+        copy = DFlash2Drafter(config).to(device=weight.device, dtype=weight.dtype)
+        copy.load_state_dict(state)
         return copy.train(self.training)
 
     # -- the Drafter protocol used by spec_generate ----------------------------------------------

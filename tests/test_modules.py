@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from dflash2 import (CandidateHead,  DFlash2Drafter, TargetAdapter, TorchRandom,
+from dflash2 import (CandidateHead, DFlash2Drafter, TargetAdapter, TorchRandom, ViterbiSelector,
                      TwoTapDynamicConv, default_target_layer_ids, viterbi_path)
 from dflash2.layers import SwiGLU
 from tests.helpers import MASK, tiny_target
@@ -233,3 +233,18 @@ def test_from_pretrained_is_strict(tmp_path):
         DFlash2Drafter.from_pretrained(tmp_path)
     with pytest.raises(FileNotFoundError):
         DFlash2Drafter.from_pretrained(tmp_path / "nope")
+
+
+def test_with_config_shares_weights_and_ablates_the_selector():
+    target = tiny_target("qwen3")
+    torch.manual_seed(0)
+    d = DFlash2Drafter.from_target(target, block_size=8, selector="walk", selector_top_k=4, selector_rank=8,
+                                   mask_token_id=MASK, num_layers=1)
+    smaller = d.with_config(block_size=4, selector="viterbi")
+    assert smaller.config.block_size == 4 and isinstance(smaller.candidate_selector, ViterbiSelector)
+    assert all(torch.equal(a, b) for a, b in zip(smaller.state_dict().values(), d.state_dict().values()))
+    plain = d.with_config(selector="argmax")  # the selector ablation: same backbone, no codebooks
+    assert not any(k.startswith("candidate_selector.") for k in plain.state_dict())
+    assert all(torch.equal(v, d.state_dict()[k]) for k, v in plain.state_dict().items())
+    with pytest.raises(ValueError, match="codebooks"):
+        plain.with_config(selector="walk")

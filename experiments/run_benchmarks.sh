@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Every benchmark and experiment behind docs/results.md, then the report (about 40 minutes on 2 CPU
+# cores). Run from the repository root after experiments/embedded/train_drafters.sh.
+set -euo pipefail
+log() { echo "[$(date -u +%H:%M:%S)] $*"; }
+for cfg in headline tree concurrency block_sweep main; do
+  log "bench: configs/bench/$cfg.yaml"
+  python -m dflash2.bench --config "configs/bench/$cfg.yaml"
+done
+log "ablation grid"
+python experiments/ablation_grid.py
+log "profile of a round"
+python experiments/profile_round.py
+log "report"
+python experiments/embedded/report.py
+log "done"
