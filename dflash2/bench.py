@@ -11,6 +11,8 @@ to `out`. Methods:
     dflash1          spec_generate with the DFlash-1 drafter
     dflash2_walk     spec_generate with the DFlash-2 drafter, published greedy walk
     dflash2_viterbi  the same weights with the exact Viterbi selector
+    dflash2_argmax   the same weights with the selector ablated (top-1 per position); the walk and
+                     Viterbi rows then carry `tau_gap_vs_top1`, their τ minus this row's
     dflash2_tree     the walk drafter's lattice verified as a token tree (verify="tree"), one row per
                      size in `tree_nodes` (method names dflash2_tree<M>)
 
@@ -45,7 +47,7 @@ from .overrides import load_yaml_with_overrides
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
-               "dflash2_tree")
+               "dflash2_argmax", "dflash2_tree")
 
 
 @dataclass
@@ -206,6 +208,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
         walk = drafters["dflash2"].with_config(block_size=block)
         methods["dflash2_walk"] = ours(walk)
         methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
+        methods["dflash2_argmax"] = ours(walk.with_config(selector="argmax"))
         for m in cfg.tree_nodes:
             methods[f"dflash2_tree{m}"] = ours(walk, verify="tree", tree_nodes=m)
     return {name: fn for name, fn in methods.items()
@@ -306,6 +309,10 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
             row["per_round_ms"] = {k: 1e3 * sum(b[k] for b in parts) / rounds for k in ("draft", "verify", "other")}
             row["prefill_ms"] = 1e3 * sum(b["prefill"] for b in parts) / len(parts)
         rows.append(row)
+    top1 = next((r["tau"] for r in rows if r["method"] == "dflash2_argmax"), None)
+    for r in rows:
+        if top1 is not None and r["method"] in ("dflash2_walk", "dflash2_viterbi"):
+            r["tau_gap_vs_top1"] = r["tau"] - top1
     return rows
 
 

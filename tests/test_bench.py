@@ -13,6 +13,10 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     expected = (set(ALL_METHODS) - {"dflash2_tree"}) | {"dflash2_tree32"}  # one row per tree size
     assert {r["method"] for r in rows if r["concurrency"] == 1} == expected
     batched = {"ar", "dflash1", "dflash2_walk", "dflash2_viterbi"}  # our loop's methods, batched
+    walk = next(r for r in rows if r["method"] == "dflash2_walk" and r["concurrency"] == 1)
+    top1 = next(r for r in rows if r["method"] == "dflash2_argmax" and (r["dataset"], r["setting"]) ==
+                (walk["dataset"], walk["setting"]))
+    assert walk["tau_gap_vs_top1"] == walk["tau"] - top1["tau"]
     assert {r["method"] for r in rows if r["concurrency"] == 2} == batched
     assert {r["dataset"] for r in rows} == {"humaneval", "stdlib_heldout"}
     for r in rows:

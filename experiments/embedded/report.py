@@ -184,12 +184,15 @@ def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
     data = json.loads(path.read_text())
     out = [f"## {title}", "", f"Written by `python -m dflash2.bench --config {config}` (docs/results/{name}/). {note}",
            "", (RESULTS / name / "results.md").read_text(), "",
-           "| concurrency | method | τ | draft ms/round | verify ms/round |", "|---|---|---|---|---|"]
+           "| dataset | setting | concurrency | method | τ | τ − τ(top-1) | draft ms/round | verify ms/round | draft share |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
         if "per_round_ms" in r:
             t = r["per_round_ms"]
-            out.append(f"| {r.get('concurrency', 1)} | {r['method']} | {r['tau']:.2f} | {t['draft']:.2f} | "
-                       f"{t['verify']:.2f} |")
+            gap = f"{r['tau_gap_vs_top1']:+.2f}" if "tau_gap_vs_top1" in r else ""
+            share = t["draft"] / sum(t.values())
+            out.append(f"| {r['dataset']} | {r['setting']} | {r.get('concurrency', 1)} | {r['method']} | {r['tau']:.2f} | "
+                       f"{gap} | {t['draft']:.2f} | {t['verify']:.2f} | {share:.0%} |")
     return out + ["", f"![speedup](results/{name}/speedup.png)", ""]
 
 
