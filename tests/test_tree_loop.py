@@ -56,7 +56,8 @@ def test_tree_pass_equals_sequential_logits_and_keeps_the_path(arch):
     worst = 0.0
     for row, path in enumerate([[], *paths]):
         seq = torch.cat([prompt, torch.tensor([[7, *path]])], dim=1)
-        out = target(seq, output_hidden_states=True)
+        with torch.no_grad():
+            out = target(seq, output_hidden_states=True)
         worst = max(worst, float((out.logits[0, -1] - step.logits[0, row]).abs().max()))
         feats = torch.cat([out.hidden_states[1][0, -1], out.hidden_states[3][0, -1]])
         worst = max(worst, float((feats - step.features[0, row]).abs().max()))
