@@ -22,7 +22,8 @@ OUT = ROOT / "docs" / "test-statistics.md"
 def main() -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "--hypothesis-show-statistics",
            "tests/test_greedy_equality.py", "tests/test_modules.py", "tests/test_sampling.py",
-           "tests/test_exact_distribution.py", "tests/test_monte_carlo.py"]
+           "tests/test_exact_distribution.py", "tests/test_monte_carlo.py", "tests/test_tree_loop.py",
+           "tests/test_batch.py"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     text = proc.stdout
     examples = []
@@ -32,6 +33,7 @@ def main() -> int:
         if head and counts:
             examples.append((head.group(1), int(counts.group(1)), int(counts.group(2)), int(counts.group(3))))
     branches = re.findall(r"^\.*(\S+ \S+): (\d+) branches, (\d+) outcomes, round lengths (\[.*?\])", text, re.M)
+    tree_batch = re.findall(r"^\.*(\S+ \S+): (\d+) branches, acceptance lengths (\[.*?\])", text, re.M)
     mutants = re.findall(r"^\.*(\S+): max deviation (\S+)", text, re.M)
     chi = re.findall(r"^\.*(SamplingParams\(.*?\)): chi-square p = (\S+)", text, re.M)
     hist = re.findall(r"acceptance lengths over (\d+) runs: (\{.*?\})", text)
@@ -57,6 +59,16 @@ def main() -> int:
         "| drafter, sampling | branches run | outcomes | acceptance lengths seen |",
         "|---|---|---|---|",
         *[f"| {case} | {b} | {o} | {lengths} |" for case, b, o, lengths in branches],
+        "",
+        "## Tree verification and batches by enumeration (vocabulary 3)",
+        "",
+        "`tests/test_tree_loop.py`: `spec_generate(verify=\"tree\")`, 4 new tokens, trees of width <= 3 and depth <= 3; "
+        "`tests/test_batch.py`: a 2-row ragged batch, 3 new tokens per row, against the product of the rows' AR "
+        "distributions. Both to 1e-12.",
+        "",
+        "| case | branches run | acceptance lengths seen |",
+        "|---|---|---|",
+        *[f"| {case} | {b} | {lengths} |" for case, b, lengths in tree_batch],
         "",
         "## Mutants (must deviate by more than 1e-4)",
         "",

@@ -143,7 +143,7 @@ def test_batched_sampling_is_exact_per_row(selector, params):
     rows = [exact_ar_distribution(small_target(), p, N_NEW, lambda logits: process_logits(logits, params))
             for p in PROMPTS]
     expected = {(a, b): pa * pb for a, pa in rows[0].items() for b, pb in rows[1].items()}
-    print(f"{branches} branches, acceptance lengths {sorted(lengths)}")
+    print(f"batch-{selector} T{params.temperature}/k{params.top_k}: {branches} branches, acceptance lengths {sorted(lengths)}")
     assert max(lengths) > 1
     assert max_abs_diff(got, expected) < 1e-12
 
