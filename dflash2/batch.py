@@ -23,8 +23,8 @@ import time
 import torch
 from torch import Tensor
 
-from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _check_pair, _check_stops, _choose,
-                   _synchronizer)
+from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _check_pair, _check_prompt, _check_stops,
+                   _choose, _synchronizer)
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams
 from .target import TargetAdapter
@@ -51,6 +51,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     rng = rng or TorchRandom(generator)
     sync = _synchronizer(tgt.device)
     N, B = len(prompts), drafter.block_size
+    left = lambda r: max_new_tokens - (len(tokens[r]) - len(prompts[r]))  # noqa: E731  row r's remaining budget
 
     start = time.perf_counter()
     tokens = [p.tolist() for p in prompts]
@@ -87,8 +88,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
                 drafts = drafter.propose_batch(*args, tgt, params.temperature, rng)
             else:  # each row drafts from its own context, exactly as spec_generate does
                 drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
-            drafts = [d.truncate(min(max_new_tokens - (len(tokens[r]) - len(prompts[r])) - 1, B - 1))
-                      for r, d in zip(alive, drafts)]
+            drafts = [d.truncate(min(left(r) - 1, B - 1)) for r, d in zip(alive, drafts)]
             sync()
             t1 = time.perf_counter()
             W = 1 + max(d.tokens.shape[0] for d in drafts)
@@ -105,9 +105,8 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             kept = torch.zeros(R, W, dtype=torch.bool)
             for i, (r, d) in enumerate(zip(alive, drafts)):
                 L = d.tokens.shape[0]
-                budget = max_new_tokens - (len(tokens[r]) - len(prompts[r]))
                 verdict = verify_block(d, step.logits[i, : L + 1], params, rng)
-                committed, stopped = commit(d.tokens.tolist(), verdict, budget, stops)
+                committed, stopped = commit(d.tokens.tolist(), verdict, left(r), stops)
                 tokens[r] += committed
                 lengths[r].append(len(committed))
                 kept[i, : verdict.num_accepted + 1] = True  # the anchor and the accepted drafts
@@ -117,8 +116,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
                     finish[r] = "stop"
             valid, pos = torch.cat([valid, kept], dim=1), torch.cat([pos, q_pos], dim=1)
             columns = valid.any(0).nonzero()[:, 0]  # drop slots dead in every row
-            still = [i for i, r in enumerate(alive)
-                     if finish[r] != "stop" and len(tokens[r]) - len(prompts[r]) < max_new_tokens]
+            still = [i for i, r in enumerate(alive) if finish[r] != "stop" and left(r) > 0]
             rows = torch.tensor(still, dtype=torch.long)
             tgt.keep_slots(cache, columns)
             tgt.select_rows(cache, rows)
@@ -158,12 +156,5 @@ def _check_batch(input_ids, attention_mask, tgt: TargetAdapter, max_new_tokens) 
         raise ValueError("attention_mask must be left padding: zeros, then ones, in every row")
     if not mask[:, -1].all():
         raise ValueError("every row needs at least one prompt token")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    prompts = [row[m] for row, m in zip(input_ids.cpu(), mask)]
-    if any(int(p.min()) < 0 or int(p.max()) >= tgt.vocab_size for p in prompts):
-        raise ValueError(f"input_ids hold token ids outside the target vocabulary [0, {tgt.vocab_size})")
-    limit = tgt.max_positions
-    if limit is not None and max(len(p) for p in prompts) + max_new_tokens > limit:
-        raise ValueError(f"prompt + max_new_tokens ({max_new_tokens}) exceeds the target's maximum positions ({limit})")
-    return [p.to(tgt.device) for p in prompts]
+    # each row's own prompt checks: dtype, vocabulary, budget, maximum positions
+    return [_check_prompt(row[m], tgt, max_new_tokens)[0] for row, m in zip(input_ids.cpu(), mask)]

@@ -158,9 +158,7 @@ class DFlash2Drafter(nn.Module):
         self.backbone.extend_context(cache, new_features)
         if self.config.block_size == 1:
             return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
-        hidden = self.block_hidden(cache, anchor, target)[0, 1:]  # [L, H]
-        logits = self.draft_logits(hidden, target)  # [L, V]
-        cands = self.candidates(logits)  # ids, U: [L, K]
+        hidden, cands = self._candidates(cache, anchor, target, self.config.block_size - 1)
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
 
     @torch.no_grad()
@@ -201,14 +199,18 @@ class DFlash2Drafter(nn.Module):
         L = min(self.config.block_size - 1, max_depth)
         if L <= 0 or max_nodes <= 0:
             return TokenTree.empty(new_features.device)
-        hidden = self.block_hidden(cache, anchor, target)[0, 1: L + 1]  # [L, H]
-        cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [L, K]
+        hidden, cands = self._candidates(cache, anchor, target, L)
         if isinstance(self.candidate_selector, CodebookSelector):
             first, steps = self.candidate_selector.lattice(cands, hidden, anchor)  # [K], [L-1, K, K]
         else:  # argmax (DFlash-1): the unary scores alone
             K = cands.ids.shape[1]
             first, steps = cands.scores[0], cands.scores[1:, None, :].expand(-1, K, K)
         return best_first_tree(cands.ids, first, steps, max_nodes)
+
+    def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
+        """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""
+        hidden = self.block_hidden(cache, anchor, target)[0, 1: L + 1]  # [L, H]
+        return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [L, K]
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
         """block ids [...] → [..., H] through the target's embedding (× input_embedding_scale)."""

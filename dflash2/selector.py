@@ -53,15 +53,16 @@ class CodebookSelector(nn.Module):
         a = self.predecessor_codebook[prev] * self.hidden_projection(hidden).unsqueeze(-2)  # [..., P, r]
         return a @ self.successor_codebook[cand].transpose(-1, -2)  # [..., P, K]
 
-    def lattice(self, cands: Candidates, hidden: Tensor, anchor: int) -> tuple[Tensor, Tensor]:
-        """cands [L, K], hidden [L, H] → first [K] (from the anchor), steps [L-1, K, K].
+    def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
+        """cands [..., L, K], hidden [..., L, H], anchor int (or ids [...]) → first [..., K] (from the
+        anchor), steps [..., L-1, K, K].
 
         Score of the path (k_0..k_{L-1}) = first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]; unaries included.
         """
         U = cands.scores.to(hidden.dtype)
-        anchor_id = torch.tensor([anchor], device=cands.ids.device)
-        first = U[0] + self.edge_scores(anchor_id, hidden[0], cands.ids[0])[0]  # [K]
-        steps = U[1:, None, :] + self.edge_scores(cands.ids[:-1], hidden[1:], cands.ids[1:])  # [L-1, K, K]
+        anchor_ids = torch.as_tensor(anchor, device=cands.ids.device).reshape(*cands.ids.shape[:-2], 1)
+        first = U[..., 0, :] + self.edge_scores(anchor_ids, hidden[..., 0, :], cands.ids[..., 0, :])[..., 0, :]
+        steps = U[..., 1:, None, :] + self.edge_scores(cands.ids[..., :-1, :], hidden[..., 1:, :], cands.ids[..., 1:, :])
         return first, steps
 
 
@@ -90,10 +91,7 @@ class WalkSelector(CodebookSelector):
     def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
         """The greedy (T=0) walk of R rows at once: cands [R, L, K], hidden [R, L, H]."""
         R, L, K = cands.ids.shape
-        anchor_ids = torch.tensor(anchors, device=cands.ids.device)[:, None]  # [R, 1]
-        U = cands.scores.to(hidden.dtype)
-        first = U[:, 0] + self.edge_scores(anchor_ids, hidden[:, 0], cands.ids[:, 0])[:, 0]  # [R, K]
-        steps = U[:, 1:, None, :] + self.edge_scores(cands.ids[:, :-1], hidden[:, 1:], cands.ids[:, 1:])  # [R, L-1, K, K]
+        first, steps = self.lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
         pick = first.argmax(-1)  # [R]
         picks = [pick]
         rows = torch.arange(R, device=pick.device)

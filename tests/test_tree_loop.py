@@ -238,28 +238,29 @@ def paths_to_leaves(tree: TokenTree) -> list[list[int]]:
     return out
 
 
+def verify_each_path(tree, logits, params, rng):
+    """Yields a verdict per root-to-leaf path, each verified on its own with fresh draws (lossy)."""
+    probs = process_logits(logits, params)
+    for path in paths_to_leaves(tree):
+        v = verify_deterministic(tree.tokens[path], torch.stack([probs[0]] + [probs[n + 1] for n in path]), rng)
+        yield TreeVerdict(path[: v.num_accepted], v.next_token)
+
+
 def longest_accepted_path(tree, logits, params, rng) -> TreeVerdict:
     """MUTANT: verify each root-to-leaf path on its own (fresh draws) and keep the longest acceptance."""
     if params.greedy or len(tree.tokens) == 0:
         return verify_tree(tree, logits, params, rng)
-    probs, best = process_logits(logits, params), None
-    for path in paths_to_leaves(tree):
-        v = verify_deterministic(tree.tokens[path], torch.stack([probs[0]] + [probs[n + 1] for n in path]), rng)
-        if best is None or v.num_accepted > len(best.path):
-            best = TreeVerdict(path[: v.num_accepted], v.next_token)
-    return best
+    return max(verify_each_path(tree, logits, params, rng), key=lambda v: len(v.path))
 
 
 def first_accepting_path(tree, logits, params, rng) -> TreeVerdict:
     """MUTANT: independent sampling per path: try the paths in order, take the first that accepts."""
     if params.greedy or len(tree.tokens) == 0:
         return verify_tree(tree, logits, params, rng)
-    probs, last = process_logits(logits, params), None
-    for path in paths_to_leaves(tree):
-        v = verify_deterministic(tree.tokens[path], torch.stack([probs[0]] + [probs[n + 1] for n in path]), rng)
-        last = TreeVerdict(path[: v.num_accepted], v.next_token)
-        if v.num_accepted:
-            return last
+    last = None
+    for last in verify_each_path(tree, logits, params, rng):  # lazily: stop drawing at the first acceptance
+        if last.path:
+            break
     return last
 
 

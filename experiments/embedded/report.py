@@ -149,11 +149,16 @@ def main() -> int:
     return 0
 
 
+def _load(name: str) -> dict | None:
+    """docs/results/<name>, when the script that writes it has been run."""
+    path = RESULTS / name
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def _ablation_section() -> list[str]:
-    path = RESULTS / "ablation_grid.json"
-    if not path.is_file():
+    data = _load("ablation_grid.json")
+    if data is None:
         return []
-    data = json.loads(path.read_text())
     return ["## Ablation grid: conv × selector × top-K (greedy, B = 16, HumanEval)", "",
             f"`{data['meta']['command']}` ({data['meta']['date']}). conv comes from the two trained drafters; "
             "selector and top-K are switched at inference on the same DFlash-2 weights.", "",
@@ -163,10 +168,9 @@ def _ablation_section() -> list[str]:
 
 
 def _profile_section() -> list[str]:
-    path = RESULTS / "profile_round.json"
-    if not path.is_file():
+    data = _load("profile_round.json")
+    if data is None:
         return []
-    data = json.loads(path.read_text())
     meta, b = data["meta"], data["batched_drafting_ms"]
     return ["## Where a round's time goes", "",
             f"`{meta['command']}` ({meta['date']}, {meta['threads']} threads, medians of {meta['repeats']}).", "",
@@ -178,10 +182,9 @@ def _profile_section() -> list[str]:
 
 def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
     """A bench run's table, with its command, plus per-round time for the speculative rows."""
-    path = RESULTS / name / "results.json"
-    if not path.is_file():
+    data = _load(f"{name}/results.json")
+    if data is None:
         return []
-    data = json.loads(path.read_text())
     out = [f"## {title}", "", f"Written by `python -m dflash2.bench --config {config}` (docs/results/{name}/). {note}",
            "", (RESULTS / name / "results.md").read_text(), "",
            "| dataset | setting | concurrency | method | τ | τ − τ(top-1) | draft ms/round | verify ms/round | draft share |",
