@@ -10,7 +10,11 @@ hidden state at t. The path starts from the anchor. Variants, chosen by `config.
 * `argmax`:  top-1 per position, no parameters (DFlash-1 behaviour);
 * `walk`:    the published greedy walk: best successor of the current token (T=0), or a draw from
              softmax(S/T) over the K candidates (T>0), returning that q for verification;
-* `viterbi`: exact best path under the same scores (O(L·K²)); deterministic at any temperature.
+* `viterbi`: the exact most probable path (O(L·K²)); deterministic at any temperature. The selector
+             is trained as a chain of K-way softmaxes over successors (teacher-forced), so a path's
+             probability is Π_t softmax(S_t(a_{t-1}, ·))[a_t]: Viterbi maximises the sum of those
+             log-softmaxes. (The sum of raw scores S would ignore each step's normaliser, which
+             depends on the predecessor; on the embedded pair that cost 0.4 τ against the walk.)
 
 P is zero at init, so every selector starts as argmax and learns to deviate.
 """
@@ -105,8 +109,9 @@ class WalkSelector(CodebookSelector):
 class ViterbiSelector(CodebookSelector):
     def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
                 rng: RandomSource) -> Draft:
-        first, steps = self.lattice(cands, hidden, anchor)
-        return Draft(cands.ids.gather(1, viterbi_path(first, steps)[:, None])[:, 0])
+        first, steps = self.lattice(cands, hidden, anchor)  # [K], [L-1, K, K]
+        path = viterbi_path(first.log_softmax(-1), steps.log_softmax(-1))  # per-step normalised
+        return Draft(cands.ids.gather(1, path[:, None])[:, 0])
 
 
 def viterbi_path(first: Tensor, steps: Tensor) -> Tensor:
