@@ -49,6 +49,7 @@ class DataConfig:
 class TrainConfig:
     target: str = ""  # HF causal LM directory or hub id
     out: str = "runs/drafter"
+    init: str | None = None  # a drafter directory to start from (fine-tuning); None: random init
     drafter: dict[str, Any] = field(default_factory=dict)  # DFlash2Config fields
     data: DataConfig = field(default_factory=DataConfig)
     steps: int = 100
@@ -183,6 +184,11 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     target.requires_grad_(False)
     torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
     drafter = DFlash2Drafter.from_target(target, **cfg.drafter).train()
+    if cfg.init:  # same shapes required: a fine-tune continues the given drafter, optimiser fresh
+        start = DFlash2Drafter.from_pretrained(cfg.init)
+        if start.config != drafter.config:
+            raise ValueError(f"init drafter {cfg.init} has config {start.config}, the run asks for {drafter.config}")
+        drafter.load_state_dict(start.state_dict())
     B = drafter.config.block_size
     if cfg.gamma is None:
         cfg.gamma = {16: 7.0, 8: 4.0}.get(B, B / 2)

@@ -131,3 +131,19 @@ def test_a_short_run_learns(target_dir, tmp_path):
     before, after = accuracy(out, target_dir, None), accuracy(out, target_dir, out / "final")
     print(f"top-1 accuracy over the data: {before:.3f} untrained, {after:.3f} after 60 steps")
     assert after > before + 0.15
+
+
+def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
+    first = tmp_path / "first"
+    train(load_config(None, overrides(target_dir, first, steps=3)))
+    tuned = tmp_path / "tuned"
+    # lr 0: a fine-tune that cannot move must end exactly where it started (the AdamW step is lr * update)
+    train(load_config(None, overrides(target_dir, tuned, steps=2, lr=0.0, init=str(first / "final"))))
+    start, end = final_state(first), final_state(tuned)
+    assert start.keys() == end.keys() and all(torch.equal(start[k], end[k]) for k in start)
+    fresh = tmp_path / "fresh"
+    train(load_config(None, overrides(target_dir, fresh, steps=2, lr=0.0)))
+    assert not all(torch.equal(start[k], final_state(fresh)[k]) for k in start)  # without init: random
+    with pytest.raises(ValueError, match="init drafter"):
+        train(load_config(None, overrides(target_dir, tmp_path / "bad", init=str(first / "final"),
+                                          **{"drafter.block_size": 8})))

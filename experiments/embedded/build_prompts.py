@@ -1,11 +1,21 @@
-"""Prompts for drafter training data: code from the train split, in two kinds, equally many.
+"""Prompts for drafter training data: code from the train split, in two kinds, equally many, and
+optionally a third kind from type-annotated code of installed packages.
 
     python experiments/embedded/build_prompts.py [--out runs/embedded/prompts.pt] [--tokens 96]
+    python experiments/embedded/build_prompts.py --typed torch transformers hypothesis \
+        --out runs/embedded/prompts-v3.pt                      # data v3: the stdlib kinds + typed
 
-Each prompt is the last `--tokens` tokens of a train-split file up to and including either
+Each stdlib prompt is the last `--tokens` tokens of a train-split file up to and including either
 * a line that starts a function (`def ...:`): the target goes on with a docstring and a body, or
 * the end of a function's docstring: the target goes on with the body, the shape of a HumanEval
   prompt (signature + docstring) and of the held-out prompt set, without using either.
+
+`--typed PKG...` adds standalone type-annotated functions with docstrings from the installed
+packages named (their `test`/`tests` folders excluded): the file's one-line imports, then the
+function's signature and docstring dedented to the top level, last `--tokens` tokens. The stdlib
+has almost no type annotations (49 annotated functions with docstrings in the train split), so the
+drafter never saw the target continue annotated signatures, which is how HumanEval prompts are
+written. At most as many typed prompts as stdlib ones are kept (a seeded sample). The package versions used are printed and stored; HumanEval itself is never read.
 Written as a list of token-id lists, the format `dflash2.train` reads for `data.prompts`.
 """
 
@@ -13,9 +23,12 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.metadata
+import importlib.util
 import random
 import re
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -56,12 +69,58 @@ def build(tokens: int) -> list[list[int]]:
     return [p for kind in kinds for p in rng.sample(kind, n)]
 
 
+def typed_functions(text: str) -> list[str]:
+    """Standalone snippets `imports + signature + docstring` of the annotated, documented functions."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return []
+    lines = text.splitlines(keepends=True)
+    imports = "".join(lines[n.lineno - 1] for n in tree.body
+                      if isinstance(n, (ast.Import, ast.ImportFrom)) and n.lineno == n.end_lineno)
+    out = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
+            continue
+        if node.returns is None and all(a.annotation is None for a in node.args.args):
+            continue
+        start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
+        out.append(imports + "\n\n" + textwrap.dedent("".join(lines[start: node.body[0].end_lineno])))
+    return out
+
+
+def build_typed(packages: list[str], tokens: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "dflash2" / "embedded" / "tokenizer"))
+    prompts = []
+    for package in packages:
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise SystemExit(f"error: package {package!r} is not installed")
+        print(f"typed prompts from {package} {importlib.metadata.version(package)}")
+        for path in sorted(Path(spec.origin).parent.rglob("*.py")):
+            if {"test", "tests"} & set(path.parts):
+                continue
+            for snippet in typed_functions(path.read_text(encoding="utf-8", errors="replace")):
+                ids = tok(snippet).input_ids[-tokens:]
+                if len(ids) == tokens:
+                    prompts.append(ids)
+    return prompts
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "embedded" / "prompts.pt")
     p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--typed", nargs="*", default=[], metavar="PKG", help="add annotated functions of these packages")
     args = p.parse_args()
     prompts = build(args.tokens)
+    if args.typed:
+        typed = build_typed(args.typed, args.tokens)
+        typed = random.Random(1).sample(typed, min(len(typed), len(prompts)))  # at most half of all
+        print(f"{len(prompts)} stdlib prompts, {len(typed)} typed prompts")
+        prompts += typed
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(prompts, args.out)
     print(f"wrote {len(prompts)} prompts of {args.tokens} tokens to {args.out}")
