@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # Trains the embedded DFlash-2 and DFlash-1 drafters with the same data and budget, ships them into
-# dflash2/embedded/, and evaluates them on HumanEval. Resumable: rerun after an interruption and each
-# run continues from its last complete checkpoint (the data cache is reused).
-#   bash experiments/embedded/train_drafters.sh      (from the repository root, ~80 min on 2 CPU cores)
+# dflash2/embedded/, and evaluates them on HumanEval. Two stages, each with its own shared data:
+#   1. configs/embedded_dflash{2,1}.yaml: 3500 steps from scratch on stdlib prompts (data v2);
+#   2. configs/embedded_dflash{2,1}_tune.yaml: 2500 steps from stage 1 on data v3 (half of the
+#      prompts are type-annotated functions of installed packages: build_prompts.py --typed).
+# Resumable: rerun after an interruption and each run continues from its last complete checkpoint
+# (the data caches are reused).
+#   bash experiments/embedded/train_drafters.sh      (from the repository root, ~2 h on 2 CPU cores)
 set -euo pipefail
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
-out=$(python -c "from dflash2.train import load_config; print(load_config('configs/embedded_dflash2.yaml', []).out)")
-mkdir -p "$(dirname "$out")"
 [ -f runs/embedded/prompts.pt ] || python experiments/embedded/build_prompts.py
-log "regenerating the shared drafter data with the target (skipped when cached)"
-python -m dflash2.train --config configs/embedded_dflash2.yaml --stop-after 0
-log "training both drafters, one core each"
-for v in dflash2 dflash1; do
-  OMP_NUM_THREADS=1 python -m dflash2.train --config "configs/embedded_$v.yaml" > "$(dirname "$out")/$v.out" 2>&1 &
+[ -f runs/embedded/prompts-v3.pt ] || python experiments/embedded/build_prompts.py \
+  --typed torch transformers hypothesis --out runs/embedded/prompts-v3.pt
+for stage in "" _tune; do
+  log "stage ${stage:-_scratch}: regenerating the shared drafter data with the target (skipped when cached)"
+  python -m dflash2.train --config "configs/embedded_dflash2$stage.yaml" --stop-after 0
+  log "stage ${stage:-_scratch}: training both drafters, one core each"
+  pids=()
+  for v in dflash2 dflash1; do
+    out=$(python -c "from dflash2.train import load_config; print(load_config('configs/embedded_$v$stage.yaml', []).out)")
+    mkdir -p "$out"
+    OMP_NUM_THREADS=1 python -m dflash2.train --config "configs/embedded_$v$stage.yaml" > "$out.out" 2>&1 &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do wait "$pid"; done  # a failed run stops the script
 done
-wait
 for v in dflash2 dflash1; do
-  rm -rf "dflash2/embedded/$v" && cp -r "$(dirname "$out")/$v/final" "dflash2/embedded/$v"
+  out=$(python -c "from dflash2.train import load_config; print(load_config('configs/embedded_${v}_tune.yaml', []).out)")
+  rm -rf "dflash2/embedded/$v" && cp -r "$out/final" "dflash2/embedded/$v"
 done
 log "evaluating on HumanEval"
 python experiments/embedded/eval_humaneval.py
