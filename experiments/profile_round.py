@@ -40,6 +40,7 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+@torch.no_grad()  # as in decoding: tensors built with autograd on (caches, features) make later ops slower
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=torch.get_num_threads())

@@ -77,8 +77,10 @@ def main() -> int:
         "",
         f"`{meta['command']}` ({meta['date']}): the first {meta['prompts']} HumanEval prompts, greedy, "
         f"{meta['max_new_tokens']} new tokens, block size {meta['block_size']}. Both drafters were trained by "
-        "`python -m dflash2.train` with `configs/embedded_dflash2.yaml` / `configs/embedded_dflash1.yaml`: the "
-        "same regenerated data, steps and optimiser.",
+        "`python -m dflash2.train` in two stages with the same regenerated data, steps and optimiser: "
+        "`configs/embedded_dflash{2,1}.yaml` (3500 steps on stdlib prompts), then "
+        "`configs/embedded_dflash{2,1}_tune.yaml` (2500 steps on data v3, half of whose prompts are "
+        "type-annotated functions of installed packages; `bash experiments/embedded/train_drafters.sh` runs both).",
         "",
         "| drafter | conv | selector | τ | outputs identical to AR |",
         "|---|---|---|---|---|",
@@ -93,6 +95,7 @@ def main() -> int:
     if {"dflash2", "dflash1"} <= set(rows):
         ratio = rows["dflash2"]["tau"] / rows["dflash1"]["tau"]
         lines += [f"τ(DFlash 2) / τ(DFlash 1) = {ratio:.3f}.", ""]
+    lines += _confidence_section()
     ctx_path = RESULTS / "context_window.json"
     if ctx_path.is_file():
         ctx = json.loads(ctx_path.read_text())
@@ -153,6 +156,33 @@ def _load(name: str) -> dict | None:
     """docs/results/<name>, when the script that writes it has been run."""
     path = RESULTS / name
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _confidence_section() -> list[str]:
+    data = _load("target_confidence.json")
+    if data is None:
+        return []
+    return ["### Is the target too unsure on HumanEval to be drafted?", "",
+            f"`{data['meta']['command']}` ({data['meta']['date']}): p(top-1) of the target along its own greedy "
+            "output, and the shipped DFlash-2 drafter's path τ on the same prompts.", "",
+            "| prompt set | prompts | tokens | mean p(top-1) | p(top-1) < 0.5 | p(top-1) > 0.9 | τ DFlash-2 |",
+            "|---|---|---|---|---|---|---|",
+            *[f"| {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['mean_top1_prob']:.3f} | "
+              f"{r['frac_top1_below_half']:.1%} | {r['frac_top1_above_09']:.1%} | {r['tau_dflash2']:.2f} |"
+              for r in data["rows"]], ""] + _confidence_reading(data["rows"])
+
+
+def _confidence_reading(rows: list[dict]) -> list[str]:
+    """One sentence comparing HumanEval with the held-out stdlib set, from the numbers above."""
+    by = {r["dataset"]: r for r in rows}
+    if not {"humaneval", "stdlib_heldout"} <= set(by):
+        return []
+    h, s = by["humaneval"], by["stdlib_heldout"]
+    verdict = ("as sure of itself on HumanEval as on held-out stdlib code, or surer, so the lower τ there is the "
+               "drafter's, not the target's" if h["mean_top1_prob"] >= s["mean_top1_prob"] - 0.02 else
+               "less sure of itself on HumanEval, which lowers the τ any drafter can reach there")
+    return [f"Mean p(top-1) is {h['mean_top1_prob']:.3f} on HumanEval against {s['mean_top1_prob']:.3f} on held-out "
+            f"stdlib, while τ is {h['tau_dflash2']:.2f} against {s['tau_dflash2']:.2f}: the target is {verdict}.", ""]
 
 
 def _ablation_section() -> list[str]:
