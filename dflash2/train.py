@@ -186,8 +186,11 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     drafter = DFlash2Drafter.from_target(target, **cfg.drafter).train()
     if cfg.init:  # same shapes required: a fine-tune continues the given drafter, optimiser fresh
         start = DFlash2Drafter.from_pretrained(cfg.init)
-        if start.config != drafter.config:
-            raise ValueError(f"init drafter {cfg.init} has config {start.config}, the run asks for {drafter.config}")
+        have, want = start.config.to_dict(), drafter.config.to_dict()
+        differ = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
+        if differ:
+            raise ValueError(f"init drafter {cfg.init} does not fit the run's drafter config "
+                             f"(field: init's value, the run's): {differ}")
         drafter.load_state_dict(start.state_dict())
     B = drafter.config.block_size
     if cfg.gamma is None:

@@ -144,6 +144,6 @@ def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
     fresh = tmp_path / "fresh"
     train(load_config(None, overrides(target_dir, fresh, steps=2, lr=0.0)))
     assert not all(torch.equal(start[k], final_state(fresh)[k]) for k in start)  # without init: random
-    with pytest.raises(ValueError, match="init drafter"):
+    with pytest.raises(ValueError, match="block_size': \\(4, 8\\)"):
         train(load_config(None, overrides(target_dir, tmp_path / "bad", init=str(first / "final"),
                                           **{"drafter.block_size": 8})))
