@@ -41,10 +41,7 @@ from dflash2.corpus import read_texts  # noqa: E402
 DEF_LINE = re.compile(r"^[ \t]*(async[ \t]+)?def [^\n]*:[ \t]*\n", re.M)
 
 
-def build(tokens: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(ROOT / "dflash2" / "embedded" / "tokenizer"))
+def build(tok, tokens: int) -> list[list[int]]:
     def_ends, doc_ends = [], []
     for text in read_texts("train"):
         def_ends += [(text, m.end()) for m in DEF_LINE.finditer(text)]
@@ -89,10 +86,7 @@ def typed_functions(text: str) -> list[str]:
     return out
 
 
-def build_typed(packages: list[str], tokens: int) -> list[list[int]]:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(ROOT / "dflash2" / "embedded" / "tokenizer"))
+def build_typed(tok, packages: list[str], tokens: int) -> list[list[int]]:
     prompts = []
     for package in packages:
         spec = importlib.util.find_spec(package)
@@ -115,9 +109,12 @@ if __name__ == "__main__":
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--typed", nargs="*", default=[], metavar="PKG", help="add annotated functions of these packages")
     args = p.parse_args()
-    prompts = build(args.tokens)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(ROOT / "dflash2" / "embedded" / "tokenizer"))
+    prompts = build(tok, args.tokens)
     if args.typed:
-        typed = build_typed(args.typed, args.tokens)
+        typed = build_typed(tok, args.typed, args.tokens)
         typed = random.Random(1).sample(typed, min(len(typed), len(prompts)))  # at most half of all
         print(f"{len(prompts)} stdlib prompts, {len(typed)} typed prompts")
         prompts += typed

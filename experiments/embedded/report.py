@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from dflash2 import ar_generate  # noqa: E402
 from dflash2.bench import load_prompts  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
+from target_confidence import markdown_table  # noqa: E402  (this directory)
 
 RESULTS = ROOT / "docs" / "results"
 
@@ -165,11 +166,7 @@ def _confidence_section() -> list[str]:
     return ["### Is the target too unsure on HumanEval to be drafted?", "",
             f"`{data['meta']['command']}` ({data['meta']['date']}): p(top-1) of the target along its own greedy "
             "output, and the shipped DFlash-2 drafter's path τ on the same prompts.", "",
-            "| prompt set | prompts | tokens | mean p(top-1) | p(top-1) < 0.5 | p(top-1) > 0.9 | τ DFlash-2 |",
-            "|---|---|---|---|---|---|---|",
-            *[f"| {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['mean_top1_prob']:.3f} | "
-              f"{r['frac_top1_below_half']:.1%} | {r['frac_top1_above_09']:.1%} | {r['tau_dflash2']:.2f} |"
-              for r in data["rows"]], ""] + _confidence_reading(data["rows"])
+            *markdown_table(data["rows"]), ""] + _confidence_reading(data["rows"])
 
 
 def _confidence_reading(rows: list[dict]) -> list[str]:

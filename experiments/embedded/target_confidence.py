@@ -33,6 +33,15 @@ def top1_probs(target, sequence: torch.Tensor, prompt_len: int) -> torch.Tensor:
     return logits.softmax(-1).max(-1).values
 
 
+def markdown_table(rows: list[dict]) -> list[str]:
+    """The table of docs/results.md's confidence section (also printed by main)."""
+    return ["| prompt set | prompts | tokens | mean p(top-1) | p(top-1) < 0.5 | p(top-1) > 0.9 | τ DFlash-2 |",
+            "|---|---|---|---|---|---|---|",
+            *[f"| {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['mean_top1_prob']:.3f} | "
+              f"{r['frac_top1_below_half']:.1%} | {r['frac_top1_above_09']:.1%} | {r['tau_dflash2']:.2f} |"
+              for r in rows]]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--prompts", type=int, default=40)
@@ -57,11 +66,7 @@ def main() -> int:
                          mean_top1_prob=float(p1.mean()), frac_top1_below_half=float((p1 < 0.5).double().mean()),
                          frac_top1_above_09=float((p1 > 0.9).double().mean()),
                          tau_dflash2=sum(lengths) / max(1, len(lengths))))
-    print("| prompt set | prompts | tokens | mean p(top-1) | p(top-1) < 0.5 | p(top-1) > 0.9 | τ DFlash-2 |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['dataset']} | {r['prompts']} | {r['tokens']} | {r['mean_top1_prob']:.3f} | "
-              f"{r['frac_top1_below_half']:.1%} | {r['frac_top1_above_09']:.1%} | {r['tau_dflash2']:.2f} |")
+    print("\n".join(markdown_table(rows)))
     meta = dict(command=" ".join(sys.argv), date=str(datetime.date.today()), machine=platform.platform(),
                 torch=torch.__version__)
     args.out.parent.mkdir(parents=True, exist_ok=True)
