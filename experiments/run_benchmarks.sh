@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every benchmark and experiment behind docs/results.md, then the report (about 40 minutes on 2 CPU
+# Every benchmark and experiment behind docs/results.md, then the report (about 12 minutes on 2 idle CPU
 # cores). Run from the repository root after experiments/embedded/train_drafters.sh.
 set -euo pipefail
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
