@@ -8,12 +8,16 @@ Shares: `torch._C._nn.linear` (matrix products: compute), scaled-dot-product att
 forward (`TargetAdapter.forward`, cumulative), the drafter's `propose` (cumulative), and the
 bookkeeping of `nn.Module.__call__` / `__getattr__` (Python overhead). cProfile itself slows Python
 code, so the overhead share is an upper bound. `--top N` also prints the N largest functions.
+Writes docs/results/cprofile_loop.json (shown by experiments/embedded/report.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import datetime
+import json
+import platform
 import pstats
 import sys
 from pathlib import Path
@@ -21,6 +25,7 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "results" / "cprofile_loop.json"
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import load_embedded, spec_generate  # noqa: E402
@@ -56,11 +61,17 @@ def main() -> None:
     stats = pstats.Stats(profile)
     total = stats.total_tt
     print(f"{source}; {rounds} rounds, {total:.2f} s profiled, {args.threads} thread(s)\n")
-    print("| share of wall time | % |\n|---|---|")
+    shares = {}
     for label, (suffix, name, cumulative) in SHARES.items():
         seconds = sum(row[3] if cumulative else row[2] for (file, _, func), row in stats.stats.items()
                       if func == name and file.endswith(suffix))
-        print(f"| {label} | {100 * seconds / total:.0f} |")
+        shares[label] = seconds / total
+    print("| share of wall time | % |\n|---|---|", *[f"| {k} | {100 * v:.0f} |" for k, v in shares.items()], sep="\n")
+    meta = dict(command="python experiments/cprofile_loop.py " + " ".join(sys.argv[1:]),
+                date=datetime.date.today().isoformat(), machine=platform.platform(), threads=args.threads,
+                source=source, rounds=rounds, profiled_s=total)
+    OUT.write_text(json.dumps(dict(meta=meta, shares=shares), indent=2) + "\n")
+    print(f"\nwrote {OUT.relative_to(ROOT)}")
     if args.top:
         print()
         stats.sort_stats("tottime").print_stats(args.top)

@@ -11,6 +11,7 @@ log "ablation grid"
 python experiments/ablation_grid.py
 log "profile of a round"
 python experiments/profile_round.py
+python experiments/cprofile_loop.py
 log "report"
 python experiments/embedded/report.py
 log "done"

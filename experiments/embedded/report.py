@@ -205,7 +205,20 @@ def _profile_section() -> list[str]:
             "| stage | ms |", "|---|---|", *[f"| {k} | {v:.2f} |" for k, v in data["single_row_ms"].items()], "",
             f"Batched drafting of 8 rows, before/after one context projection for all rows and the greedy walk "
             f"of all rows at once (interleaved): {b['before']:.2f} ms → {b['after']:.2f} ms, "
-            f"{data['batched_drafting_speedup']:.2f}× faster.", ""]
+            f"{data['batched_drafting_speedup']:.2f}× faster.", "", *_cprofile_lines()]
+
+
+def _cprofile_lines() -> list[str]:
+    data = _load("cprofile_loop.json")
+    if data is None:
+        return []
+    meta, shares = data["meta"], data["shares"]
+    compute = shares["matrix products (torch linear)"] + shares["attention (SDPA)"]
+    reading = (f"{compute:.0%} of the time is matrix products and attention: the loop is compute-bound" if compute >= 0.5
+               else f"only {compute:.0%} of the time is matrix products and attention: Python overhead matters")
+    return [f"`{meta['command'].strip()}` ({meta['date']}, {meta['threads']} thread, cProfile over {meta['rounds']} "
+            f"rounds of whole `spec_generate` calls; {meta['source']}): {reading}.", "",
+            "| share of wall time | % |", "|---|---|", *[f"| {k} | {100 * v:.0f} |" for k, v in data["shares"].items()], ""]
 
 
 def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
