@@ -9,7 +9,8 @@ Resumable: every `ckpt_every` steps the drafter, optimizer and step are written 
 `<out>/ckpt.pt` with the resolved config beside it. Batches and anchors are functions of
 (seed, step, rank), so a run killed at any moment and restarted ends bit-identical to one that was
 never interrupted. Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel
-(gloo on CPU, nccl on CUDA); every rank sees its own shard of each batch.
+(gloo on CPU, nccl on CUDA); every rank sees its own shard of each batch. `--export DIR` writes
+the last checkpoint as a drafter directory (evaluate a long run while it trains).
 """
 
 from __future__ import annotations
@@ -261,14 +262,38 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     return out
 
 
+def export_checkpoint(cfg: TrainConfig, directory: str | Path) -> int:
+    """Write the run's last complete checkpoint (<out>/ckpt.pt) as a drafter directory, like `final`,
+    so that a long run can be evaluated while it trains. Returns the checkpoint's step."""
+    state = load_checkpoint(Path(cfg.out) / "ckpt.pt")
+    if state is None:
+        raise FileNotFoundError(f"{Path(cfg.out) / 'ckpt.pt'} does not exist: the run has no checkpoint yet")
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.dtype))
+    drafter = DFlash2Drafter.from_target(target, **cfg.drafter)
+    drafter.load_state_dict(state["drafter"])
+    directory = Path(directory)
+    drafter.save_pretrained(directory)
+    record = {**cfg.to_dict(), "exported_step": state["step"]}
+    (directory / "train_config.json").write_text(json.dumps(record, indent=2) + "\n")
+    return state["step"]
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m dflash2.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path, help="YAML of TrainConfig fields")
     p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many more steps")
+    p.add_argument("--export", type=Path, metavar="DIR",
+                   help="train nothing: write the run's last checkpoint as a drafter directory DIR")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. steps=200 drafter.block_size=8")
     args = p.parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.export:
+            step = export_checkpoint(cfg, args.export)
+            print(f"wrote the step-{step} drafter of {cfg.out} to {args.export}")
+            return 0
         out = train(cfg, stop_after=args.stop_after)
     except (ValueError, TypeError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -147,3 +147,19 @@ def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
     with pytest.raises(ValueError, match="block_size': \\(4, 8\\)"):
         train(load_config(None, overrides(target_dir, tmp_path / "bad", init=str(first / "final"),
                                           **{"drafter.block_size": 8})))
+
+
+def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
+    from dflash2 import DFlash2Drafter
+    from dflash2.train import main
+
+    args = overrides(target_dir, tmp_path / "run", steps=4)
+    assert main([*args, "--export", str(tmp_path / "none")]) == 2  # no checkpoint yet: one-line error
+    train(load_config(None, args), stop_after=2)  # interrupted at step 2 of 4
+    assert main([*args, "--export", str(tmp_path / "at2")]) == 0
+    exported = DFlash2Drafter.from_pretrained(tmp_path / "at2").state_dict()
+    stored = load_checkpoint(tmp_path / "run" / "ckpt.pt")["drafter"]
+    assert all(torch.equal(exported[k], stored[k]) for k in stored)
+    assert json.loads((tmp_path / "at2" / "train_config.json").read_text())["exported_step"] == 2
+    train(load_config(None, args))  # the run goes on: the export changed nothing
+    assert not all(torch.equal(final_state(tmp_path / "run")[k], stored[k]) for k in stored)
