@@ -26,9 +26,9 @@ from .overrides import load_yaml_with_overrides
 from .sampling import SamplingParams
 
 GREEN, RESET = "\033[32m", "\033[0m"
+COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
 # The embedded target knows the standard library's style: a signature and a docstring, as in its
 # training data (the default was `def fibonacci(n):` until 2026-11-30: τ 1.24, 0.49x AR on this pair).
-COMPARE_REPEATS = 3
 DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(top, suffix=".py"):\n    """Yield the path of every file under *top* whose name ends with *suffix*."""\n'
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,8 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", choices=("path", "tree"), default="path",
                    help="verify the selector's path, or a token tree from the drafter's lattice")
     p.add_argument("--tree-nodes", type=int, default=32, help="draft nodes per round with --verify tree")
-    p.add_argument("--compare-ar", action="store_true", help="also decode with plain AR and report the speedup (both timed without streaming, "
-                   "interleaved, median of 3 runs) and, when greedy, whether the outputs are identical")
+    p.add_argument("--compare-ar", action="store_true",
+                   help="also decode with plain AR and report the speedup (both timed without streaming, "
+                        "interleaved, median of 3 runs) and, when greedy, whether the outputs are identical")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
                    help="with --chat: enable_thinking for templates that support it (Qwen3-style)")
@@ -122,9 +123,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s"
           f" ({'green: accepted draft tokens' if color else 'block size ' + str(drafter.config.block_size)})")
     if args.compare_ar:  # timed apart from the streamed run (printing costs time): interleaved, median
+        def seed() -> torch.Generator:
+            return torch.Generator(device=args.device).manual_seed(args.seed)
+
         spec_fast, ar_fast = [], []
         for _ in range(COMPARE_REPEATS):
-            seed = lambda: torch.Generator(device=args.device).manual_seed(args.seed)  # noqa: E731
             spec_fast.append(spec_generate(drafter, target, prompt_ids, verify=args.verify, tree_nodes=args.tree_nodes,
                                            generator=seed(), **sampling).tokens_per_s)
             ar = ar_generate(target, prompt_ids, generator=seed(), **sampling)
