@@ -163,3 +163,38 @@ def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
     assert json.loads((tmp_path / "at2" / "train_config.json").read_text())["exported_step"] == 2
     train(load_config(None, args))  # the run goes on: the export changed nothing
     assert not all(torch.equal(final_state(tmp_path / "run")[k], stored[k]) for k in stored)
+
+
+def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path, monkeypatch):
+    import dflash2.train as train_module
+
+    monkeypatch.setattr(train_module, "REGEN_CHUNK", 2)
+    monkeypatch.setattr(train_module, "REGEN_SAVE_EVERY", 1)
+    cfg = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8,
+                                                                        "data.temperature": 1.0}))
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    recipe = {"any": "recipe"}
+    whole = train_module.regenerate(cfg, target, 64)
+
+    class Interrupt(Exception):
+        pass
+
+    calls, generate = [], target.generate
+
+    def dies_on_the_third_chunk(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Interrupt
+        return generate(*args, **kwargs)
+
+    partial = tmp_path / "data.pt.partial"
+    monkeypatch.setattr(target, "generate", dies_on_the_third_chunk)
+    with pytest.raises(Interrupt):
+        train_module.regenerate(cfg, target, 64, partial, recipe)
+    assert len(load_checkpoint(partial)["chunks"]) == 2  # two chunks kept
+    torch.manual_seed(12345)  # whatever ran before must not matter
+    resumed = train_module.regenerate(cfg, target, 64, partial, recipe)
+    assert len(calls) == 2 + 1 + 2  # the resumed run generated only the missing chunks
+    assert torch.equal(resumed, whole)
+    other = train_module.regenerate(cfg, target, 64, partial, {"another": "recipe"})  # a stale partial is ignored
+    assert len(calls) == 5 + 4 and torch.equal(other, whole)
