@@ -8,9 +8,10 @@ the teacher-forced selector loss.
 Resumable: every `ckpt_every` steps the drafter, optimizer and step are written atomically to
 `<out>/ckpt.pt` with the resolved config beside it. Batches and anchors are functions of
 (seed, step, rank), so a run killed at any moment and restarted ends bit-identical to one that was
-never interrupted; the data regeneration before the first step resumes too (`<cache>.partial`). Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel
-(gloo on CPU, nccl on CUDA); every rank sees its own shard of each batch. `--export DIR` writes
-the last checkpoint as a drafter directory (evaluate a long run while it trains).
+never interrupted; the data regeneration before the first step resumes too (`<cache>.partial`).
+Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel (gloo on CPU, nccl on
+CUDA); every rank sees its own shard of each batch. `--export DIR` writes the last checkpoint as a
+drafter directory (evaluate a long run while it trains).
 """
 
 from __future__ import annotations
