@@ -1,6 +1,6 @@
 """Ablation grid on the embedded pair: conv × selector × top-K, τ on HumanEval prompts (greedy).
 
-    python experiments/ablation_grid.py [--prompts 20] [--block-size 16]
+    python experiments/ablation_grid.py [--prompts 40] [--block-size 16]
 
 conv comes from the two trained drafters (DFlash-1 weights: conv "none"; DFlash-2 weights: "two_tap");
 selector and top-K are switched at inference on the same weights (argmax, walk, viterbi; K = 4, 8, 16).
@@ -28,7 +28,7 @@ from dflash2.prompt_sets import load_prompts  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--prompts", type=int, default=20)
+    p.add_argument("--prompts", type=int, default=40)  # the HumanEval prompts of eval_humaneval.py
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=128)
     args = p.parse_args()
