@@ -128,12 +128,12 @@ def regenerate(cfg: TrainConfig, target, vocab: int, partial: Path | None = None
     stored = load_checkpoint(partial) if partial is not None else None
     done = stored["chunks"] if stored is not None and stored.get("recipe") == recipe else []
     chunks = prompts.split(REGEN_CHUNK)
+    kwargs = dict(do_sample=True, temperature=d.temperature, top_k=0) if d.temperature > 0 else dict(do_sample=False)
     from tqdm import tqdm
 
     for i in tqdm(range(len(done), len(chunks)), initial=len(done), total=len(chunks), desc="data",
                   disable=len(chunks) < 2):
         chunk = chunks[i].to(device)
-        kwargs = dict(do_sample=True, temperature=d.temperature, top_k=0) if d.temperature > 0 else dict(do_sample=False)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             torch.manual_seed(cfg.seed * 1_000_003 + i)  # this chunk's draws, whatever ran before
             seq = target.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=d.new_tokens,
