@@ -15,11 +15,15 @@ to `out`. Methods:
                      Viterbi rows then carry `tau_gap_vs_top1`, their τ minus this row's
     dflash2_tree     the walk drafter's lattice verified as a token tree (verify="tree"), one row per
                      size in `tree_nodes` (method names dflash2_tree<M>)
+    dflash2_walk_L<n> with `draft_lens: [n, ...]`: the walk drafter still runs its whole block but
+                     proposes only the first n positions (drafter config `draft_len`), so the target
+                     verifies n + 1 tokens per row instead of B
 
 Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
-back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also run
-on batches of that many prompts (spec_generate_batch / ar_generate_batch); tokens/s then sums the
-batch's rows and speedup is against batched AR at the same concurrency. `--quick` runs tiny random models for a smoke test (what CI runs).
+back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also
+serve the whole prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with
+continuous batching: a finished row's place goes to the next prompt, as in a serving engine); tokens/s
+is then the set's total over its wall time and speedup is against batched AR at the same concurrency. `--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
 from __future__ import annotations
@@ -64,6 +68,7 @@ class BenchConfig:
     settings: list[str] = field(default_factory=lambda: ["greedy", "sampling"])
     methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
     tree_nodes: list[int] = field(default_factory=lambda: [32])
+    draft_lens: list[int] = field(default_factory=list)  # extra dflash2_walk_L<n> rows
     concurrency: list[int] = field(default_factory=lambda: [1])
     repetitions: int = 3
     seed: int = 0
@@ -81,6 +86,8 @@ class BenchConfig:
             raise ValueError(f"concurrency must be positive integers, got {self.concurrency}")
         if any(not isinstance(m, int) or m < 1 for m in self.tree_nodes):
             raise ValueError(f"tree_nodes must be positive integers, got {self.tree_nodes}")
+        if any(not isinstance(n, int) or n < 1 for n in self.draft_lens):
+            raise ValueError(f"draft_lens must be positive integers, got {self.draft_lens}")
 
 
 # -- models and prompts -----------------------------------------------------------------------------
@@ -174,18 +181,28 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
         methods["dflash2_argmax"] = ours(walk.with_config(selector="argmax"))
         for m in cfg.tree_nodes:
             methods[f"dflash2_tree{m}"] = ours(walk, verify="tree", tree_nodes=m)
-    return {name: fn for name, fn in methods.items()
-            if name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)}
+        for n in cfg.draft_lens:
+            methods[f"dflash2_walk_L{n}"] = ours(walk.with_config(draft_len=n))
+    return _selected(cfg, methods)
+
+
+def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
+    """The methods cfg.methods names; dflash2_tree<M> and dflash2_walk_L<n> come with their family."""
+    def wanted(name: str) -> bool:
+        return (name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)
+                or (name.startswith("dflash2_walk_L") and "dflash2_walk" in cfg.methods))
+    return {name: fn for name, fn in methods.items() if wanted(name)}
 
 
 def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], block: int,
-                       stops: list[int]) -> dict[str, Callable[[tuple, dict, int], Run]]:
-    """Our loop's methods on a batch (ids [N, T], attention_mask [N, T]); HF baselines have no batched
-    speculative path and are left out."""
+                       stops: list[int], concurrency: int) -> dict[str, Callable[[tuple, dict, int], Run]]:
+    """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
+    at a time; HF baselines have no batched speculative path and are left out."""
     def ours(drafter):
         def run(batch, setting, seed):
             g = torch.Generator().manual_seed(seed)
-            kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, **setting)
+            kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
+                      **setting)
             outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
                 spec_generate_batch(drafter, target, *batch, **kw)
             o = outs[0]  # timings are the batch's
@@ -202,7 +219,9 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         walk = drafters["dflash2"].with_config(block_size=block)
         methods["dflash2_walk"] = ours(walk)
         methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
-    return {name: fn for name, fn in methods.items() if name in cfg.methods}
+        for n in cfg.draft_lens:
+            methods[f"dflash2_walk_L{n}"] = ours(walk.with_config(draft_len=n))
+    return _selected(cfg, methods)
 
 
 def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -230,8 +249,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 if conc == 1:
                     methods, inputs = make_methods(cfg, target, drafters, ar_draft, block, stops), prompts
                 else:
-                    methods = make_batch_methods(cfg, target, drafters, block, stops)
-                    inputs = [left_pad(prompts[i: i + conc], stops[0]) for i in range(0, len(prompts), conc)]
+                    methods = make_batch_methods(cfg, target, drafters, block, stops, conc)
+                    inputs = [left_pad(prompts, stops[0])]  # the whole set, conc rows in flight
                 for setting_name in cfg.settings:
                     setting = SETTINGS[setting_name]
                     runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}

@@ -39,6 +39,8 @@ class DFlash2Config:
     mask_token_id: int = 0
     target_layer_ids: tuple[int, ...] = ()  # empty: default_target_layer_ids(num_target_layers)
     context_window: int | None = None  # attend to the last W context positions only (W >= block_size)
+    draft_len: int | None = None  # propose only the first draft_len of the B - 1 drafted positions (None: all);
+    #                               the drafter still runs the whole block, the target verifies fewer tokens
     # -- two-tap dynamic convolution (DFlash 2) --------------------------------------------------
     conv: str = "two_tap"
     conv_kernel_size: int = 2
@@ -101,11 +103,14 @@ class DFlash2Config:
             _check(isinstance(self.context_window, int) and self.context_window >= self.block_size,
                    f"context_window must be None or an integer >= block_size ({self.block_size}), "
                    f"got {self.context_window!r}")
+        if self.draft_len is not None:
+            _check(isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool) and self.draft_len >= 1,
+                   f"draft_len must be None or a positive integer, got {self.draft_len!r}")
 
     @property
     def num_draft_positions(self) -> int:
-        """L = B - 1: the block's anchor is known, positions 1..B-1 are drafted."""
-        return self.block_size - 1
+        """L = B - 1 (the block's anchor is known, positions 1..B-1 are drafted), or draft_len if set."""
+        return self.block_size - 1 if self.draft_len is None else min(self.draft_len, self.block_size - 1)
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -154,11 +154,12 @@ class DFlash2Drafter(nn.Module):
     def propose(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
                 temperature: float, rng: RandomSource) -> Draft:
         """Extend the context by new_features [1, n, F] (positions cache.length..), then draft the
-        block that starts with `anchor` at position cache.length. Returns L = B - 1 draft tokens."""
+        block that starts with `anchor` at position cache.length. Returns L = B - 1 draft tokens
+        (config.draft_len if set)."""
         self.backbone.extend_context(cache, new_features)
         if self.config.block_size == 1:
             return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
-        hidden, cands = self._candidates(cache, anchor, target, self.config.block_size - 1)
+        hidden, cands = self._candidates(cache, anchor, target, self.config.num_draft_positions)
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
 
     @torch.no_grad()
@@ -181,7 +182,8 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((R, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)
         positions = torch.tensor([c.length for c in caches], device=device)[:, None] + torch.arange(B, device=device)
-        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None])[:, 1:]  # [R, L, H]
+        L = self.config.num_draft_positions
+        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None])[:, 1: L + 1]  # [R, L, H]
         cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
         selector = self.candidate_selector
         if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
@@ -196,7 +198,7 @@ class DFlash2Drafter(nn.Module):
         <= max_depth) as a token tree for `verify="tree"`. Deterministic at every temperature: the
         tree verifier's one-decision-per-node rule handles sampling."""
         self.backbone.extend_context(cache, new_features)
-        L = min(self.config.block_size - 1, max_depth)
+        L = min(self.config.num_draft_positions, max_depth)
         if L <= 0 or max_nodes <= 0:
             return TokenTree.empty(new_features.device)
         hidden, cands = self._candidates(cache, anchor, target, L)

@@ -11,6 +11,7 @@ of the package sees a few operations with explicit state:
     adapter.keep(cache, step, rows)              # keep the step's tokens at `rows` (a path), drop the rest
     step  = adapter.forward_masked(ids [R, W], q_pos, k_pos, allowed, cache)   # batches: custom mask
     adapter.select_rows(cache, rows); adapter.keep_slots(cache, slots)       # drop rows / dead slots
+    adapter.append_rows(cache, other)            # newcomers join a running batch
 
 plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
 
@@ -183,6 +184,18 @@ class TargetAdapter:
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
             layer.values = layer.values.index_select(0, rows.to(layer.values.device))
+
+    def append_rows(self, cache: DynamicCache, other: DynamicCache) -> None:
+        """Append the rows of `other` to `cache` (continuous batching: prefilled newcomers join the
+        running batch). The cache with fewer slots is left-padded with empty slots, which the caller
+        must mask as dead."""
+        if self.hybrid:
+            raise NotImplementedError("batched caches need an attention-only target")
+        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0))  # noqa: E731  [N, heads, S, head_dim]
+        for mine, theirs in zip(cache.layers, other.layers):
+            S, T = mine.keys.shape[-2], theirs.keys.shape[-2]
+            mine.keys = torch.cat([pad(mine.keys, max(T - S, 0)), pad(theirs.keys, max(S - T, 0))])
+            mine.values = torch.cat([pad(mine.values, max(T - S, 0)), pad(theirs.values, max(S - T, 0))])
 
     def keep_slots(self, cache: DynamicCache, slots: Tensor) -> None:
         """Keep only the cache slots `slots` (ascending), in every row."""

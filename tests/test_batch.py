@@ -66,8 +66,8 @@ def dflash_drafter(arch: str, block_size: int) -> DFlash2Drafter:
 @settings(max_examples=12, deadline=None)
 @given(prompts=st.lists(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=9), min_size=1, max_size=4),
        block_size=st.integers(1, 8), budget=st.integers(0, 16), kind=st.sampled_from(["oracle", "dflash", "ar"]),
-       data=st.data())
-def test_batched_greedy_equals_each_row_alone(arch, prompts, block_size, budget, kind, data):
+       concurrency=st.none() | st.integers(1, 3), data=st.data())
+def test_batched_greedy_equals_each_row_alone(arch, prompts, block_size, budget, kind, concurrency, data):
     target = tiny_target(arch)
     refs = [hf_greedy(target, p, max(budget, 1)) for p in prompts]
     stop = data.draw(st.none() | st.sampled_from(refs[0][len(prompts[0]):]), label="stop token")
@@ -75,11 +75,13 @@ def test_batched_greedy_equals_each_row_alone(arch, prompts, block_size, budget,
     expected = [hf_greedy(target, p, budget, stops) if budget > 0 else p for p in prompts]
     ids, mask = left_pad(prompts)
     if kind == "ar":
-        results = ar_generate_batch(target, ids, mask, max_new_tokens=budget, stop_token_ids=stops)
+        results = ar_generate_batch(target, ids, mask, max_new_tokens=budget, stop_token_ids=stops,
+                                    concurrency=concurrency)
     else:
         drafter = (RowOracle(block_size, refs, [3 + r for r in range(len(prompts))]) if kind == "oracle"
                    else dflash_drafter(arch, block_size))
-        results = spec_generate_batch(drafter, target, ids, mask, max_new_tokens=budget, stop_token_ids=stops)
+        results = spec_generate_batch(drafter, target, ids, mask, max_new_tokens=budget, stop_token_ids=stops,
+                                      concurrency=concurrency)
     assert [r.sequences[0].tolist() for r in results] == expected
     for r, p in zip(results, prompts):
         assert r.prompt_length == len(p)
@@ -108,6 +110,32 @@ def test_rows_accept_different_lengths_and_finished_rows_leave():
     assert widths == sorted(widths, reverse=True)
 
 
+def test_continuous_batching_admits_waiting_rows_as_others_finish():
+    """With concurrency 2, at most 2 rows are in flight; a finished row's place goes to the next
+    waiting prompt at once, whose cache joins the running batch; every row still equals HF greedy."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 9, 2, 7], [1], [3, 3, 3, 3, 3, 3, 8], [4, 2], [6, 6, 1, 2, 3]]
+    refs = [hf_greedy(target, p, 30) for p in prompts]
+    stop = refs[1][len(prompts[1]) + 4]
+    expected = [hf_greedy(target, p, 30, [stop]) for p in prompts]
+    adapter = TargetAdapter(target, (0,))
+    passes = []  # (rows, is prefill) of every target pass
+    forward = adapter.forward_masked
+    adapter.forward_masked = lambda ids, q, k, allowed, c: passes.append(
+        (ids.shape[0], bool((q == k[:, -q.shape[1]:]).all() and k.shape[1] == q.shape[1]))) or forward(ids, q, k, allowed, c)
+    results = spec_generate_batch(RowOracle(6, refs, [3, 4, 0, 5, 2]), adapter, *left_pad(prompts),
+                                  max_new_tokens=30, stop_token_ids=[stop], concurrency=2)
+    assert [r.sequences[0].tolist() for r in results] == expected
+    prefills = [rows for rows, prefill in passes if prefill]
+    last_admission = max(i for i, (_, prefill) in enumerate(passes) if prefill)
+    assert prefills[0] == 2 and sum(prefills) == len(prompts)  # two at first, then newcomers as rows finish
+    assert all(rows == 2 for rows, prefill in passes[:last_admission] if not prefill), passes  # the batch stays full
+    drain = [rows for rows, _ in passes[last_admission + 1:]]
+    assert drain[0] == 2 and drain == sorted(drain, reverse=True)  # then it drains
+    with pytest.raises(ValueError, match="concurrency"):
+        spec_generate_batch(RowOracle(6, refs, [3] * 5), adapter, *left_pad(prompts), max_new_tokens=3, concurrency=0)
+
+
 # -- exact joint distribution of a 2-row batch ----------------------------------------------------------
 V, PROMPTS, N_NEW = 3, ([1, 2], [2]), 3
 
@@ -127,14 +155,18 @@ def small_drafter(selector: str) -> DFlash2Drafter:
 
 
 # the sampled walk (sparse stochastic q) at top-k 2; a deterministic path (one-hot q) at T=1
-@pytest.mark.parametrize("selector,params", [("walk", SamplingParams(0.8, top_k=2)), ("argmax", SamplingParams(1.0))],
-                         ids=["walk_T0.8_topk2", "argmax_T1"])
-def test_batched_sampling_is_exact_per_row(selector, params):
+# concurrency 1: the second row is admitted only when the first finishes
+@pytest.mark.parametrize("selector,params,concurrency", [("walk", SamplingParams(0.8, top_k=2), None),
+                                                         ("argmax", SamplingParams(1.0), None),
+                                                         ("argmax", SamplingParams(1.0), 1)],
+                         ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1"])
+def test_batched_sampling_is_exact_per_row(selector, params, concurrency):
     drafter, lengths = small_drafter(selector), set()
 
     def program(rng):
         results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
-                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng)
+                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
+                                      concurrency=concurrency)
         for r in results:
             lengths.update(r.acceptance_lengths)
         return tuple(tuple(r.new_tokens.tolist()) for r in results)

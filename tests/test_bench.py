@@ -7,12 +7,12 @@ from dflash2.bench import ALL_METHODS, main
 
 def test_quick_bench_writes_table_json_and_plot(tmp_path):
     out = tmp_path / "bench"
-    assert main(["--quick", f"out={out}"]) == 0
+    assert main(["--quick", f"out={out}", "draft_lens=[3]"]) == 0
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    expected = (set(ALL_METHODS) - {"dflash2_tree"}) | {"dflash2_tree32"}  # one row per tree size
+    expected = (set(ALL_METHODS) - {"dflash2_tree"}) | {"dflash2_tree32", "dflash2_walk_L3"}  # one row per size
     assert {r["method"] for r in rows if r["concurrency"] == 1} == expected
-    batched = {"ar", "dflash1", "dflash2_walk", "dflash2_viterbi"}  # our loop's methods, batched
+    batched = {"ar", "dflash1", "dflash2_walk", "dflash2_viterbi", "dflash2_walk_L3"}  # our loop's methods, batched
     walk = next(r for r in rows if r["method"] == "dflash2_walk" and r["concurrency"] == 1)
     top1 = next(r for r in rows if r["method"] == "dflash2_argmax" and (r["dataset"], r["setting"]) ==
                 (walk["dataset"], walk["setting"]))
@@ -27,6 +27,7 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
             assert 1.0 <= r["tau"] <= r["block_size"]
             assert len(r["acceptance_by_position"]) == r["block_size"] - 1
             assert set(r["per_round_ms"]) == {"draft", "verify", "other"}
+    assert all(r["tau"] <= 4 for r in rows if r["method"] == "dflash2_walk_L3")  # 3 drafts + the bonus
     ar = [r for r in rows if r["method"] == "ar"]
     assert all(r["speedup"] == 1.0 for r in ar)
     assert set(data["meta"]["sources"]) == {"humaneval", "stdlib_heldout"}

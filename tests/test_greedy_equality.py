@@ -15,7 +15,7 @@ from tests.helpers import (ARCHITECTURES, MASK, VOCAB, constant_drafter, eos_spa
                            random_drafter, tiny_target)
 
 DFLASH_VARIANTS = [(conv, sel) for conv in ("two_tap", "none") for sel in ("walk", "viterbi", "argmax")]
-STUBS = ("constant", "random", "oracle", "oracle_partial", "eos_spammer")
+STUBS = ("constant", "random", "oracle", "oracle_partial", "eos_spammer", "dflash_draft_len")
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,6 +34,8 @@ def make_drafter(kind, arch, block_size, reference, stop):
         "oracle": lambda: oracle_drafter(block_size, reference),
         "oracle_partial": lambda: oracle_drafter(block_size, reference, corrupt_every=5),
         "eos_spammer": lambda: eos_spammer(block_size, stop if stop is not None else 1),
+        "dflash_draft_len": lambda: dflash_drafter(arch, block_size, "two_tap", "viterbi").with_config(
+            draft_len=max(1, block_size // 3)),  # proposes fewer tokens than its block
     }[kind]()
 
 

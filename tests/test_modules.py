@@ -251,3 +251,29 @@ def test_with_config_shares_weights_and_ablates_the_selector():
     assert all(torch.equal(v, d.state_dict()[k]) for k, v in plain.state_dict().items())
     with pytest.raises(ValueError, match="codebooks"):
         plain.with_config(selector="walk")
+
+
+@pytest.mark.parametrize("selector", ["walk", "argmax"])
+def test_draft_len_proposes_a_prefix_of_the_full_block(selector):
+    """draft_len n: the drafter still runs its whole block, so the greedy walk and top-1 propose the
+    first n tokens of what they propose without it (alone and batched); the verifier sees n tokens."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(1)
+    d = DFlash2Drafter.from_target(target, block_size=8, selector=selector, selector_top_k=4, selector_rank=8,
+                                   mask_token_id=MASK, num_layers=2)
+    if selector == "walk":
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    features = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in ([5, 9, 2, 7], [3, 1])]
+    rng = TorchRandom(torch.Generator().manual_seed(0))
+    full = [d.propose(d.new_cache(), 4, f, adapter, 0.0, rng).tokens for f in features]
+    short = d.with_config(draft_len=3)
+    alone = [short.propose(short.new_cache(), 4, f, adapter, 0.0, rng).tokens for f in features]
+    batch = [x.tokens for x in short.propose_batch([short.new_cache() for _ in features], [4, 4], features, adapter,
+                                                   0.0, rng)]
+    assert all(len(f) == 7 for f in full)
+    for f, a, b in zip(full, alone, batch):
+        assert a.tolist() == b.tolist() == f[:3].tolist()
+    assert d.with_config(draft_len=99).config.num_draft_positions == 7
+    with pytest.raises(ValueError, match="draft_len"):
+        d.with_config(draft_len=0)
