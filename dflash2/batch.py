@@ -69,6 +69,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     anchors, new_features, draft_caches = [0] * N, [None] * N, [None] * N
     waiting = list(range(N)) if max_new_tokens > 0 else []  # rows not yet admitted, in order
     alive: list[int] = []  # rows in flight; alive[i] is row i of the target cache, valid and pos
+    cache, valid, pos = None, None, None  # the running batch: target cache, live slots [R, S], positions [R, S]
     while waiting or alive:
         t0 = time.perf_counter()
         if waiting and len(alive) < limit:  # admit newcomers: prefill them and join the batch
