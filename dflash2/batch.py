@@ -12,8 +12,8 @@
 The target cache is one [R, heads, S, head_dim] tensor per layer. Rows keep different numbers of
 tokens, so a slot may be live in one row and dead in another: `valid` [R, S] records which slots are
 live and `pos` [R, S] their positions; every pass gets a custom attention mask built from them
-(causal by position, sliding windows by position). Columns dead in every row are dropped after each
-round, so the waste is bounded by one block per row. Per row this is exactly `spec_generate`: the
+(causal by position, sliding windows by position). Columns dead in every row are dropped once they
+are a quarter of the slots (compacting copies the whole cache, so it is not done every round). Per row this is exactly `spec_generate`: the
 same drafter calls, the same verifier, the same commit rule (tests/test_batch.py).
 """
 
@@ -127,13 +127,16 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             if stopped:
                 finish[r] = "stop"
         valid, pos = torch.cat([valid, kept], dim=1), torch.cat([pos, q_pos], dim=1)
-        columns = valid.any(0).nonzero()[:, 0]  # drop slots dead in every row
         still = [i for i, r in enumerate(alive) if finish[r] != "stop" and left(r) > 0]
-        rows = torch.tensor(still, dtype=torch.long)
-        tgt.keep_slots(cache, columns)
-        tgt.select_rows(cache, rows)
-        valid, pos = valid[rows][:, columns], pos[rows][:, columns]
-        alive = [alive[i] for i in still]
+        if len(still) < R:  # finished rows leave the batch (and the cache)
+            rows = torch.tensor(still, dtype=torch.long)
+            tgt.select_rows(cache, rows)
+            valid, pos, alive = valid[rows], pos[rows], [alive[i] for i in still]
+        live = valid.any(0)  # [S + W] slots live in some row
+        if alive and 4 * int((~live).sum()) > live.numel():  # compact once a quarter of the slots are dead
+            columns = live.nonzero()[:, 0]
+            tgt.keep_slots(cache, columns)
+            valid, pos = valid[:, columns], pos[:, columns]
         sync()
         timings["draft_s"] += t1 - t0
         timings["verify_s"] += time.perf_counter() - t1
