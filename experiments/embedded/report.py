@@ -78,11 +78,13 @@ def main() -> int:
         "",
         f"`{meta['command']}` ({meta['date']}): the first {meta['prompts']} HumanEval prompts, greedy, "
         f"{meta['max_new_tokens']} new tokens, block size {meta['block_size']}. Both drafters were trained by "
-        "`python -m dflash2.train` in three stages with the same regenerated data, steps and optimiser: "
+        "`python -m dflash2.train` in four stages with the same regenerated data, steps and optimiser: "
         "`configs/embedded_dflash{2,1}.yaml` (3500 steps on stdlib prompts), "
         "`configs/embedded_dflash{2,1}_tune.yaml` (2500 steps on data v3, half of whose prompts are "
-        "type-annotated functions of installed packages), then `configs/embedded_dflash{2,1}_tune2.yaml` "
-        "(5000 steps on 16000 fresh v3 sequences); `bash experiments/embedded/train_drafters.sh` runs all three.",
+        "type-annotated functions of installed packages), `configs/embedded_dflash{2,1}_tune2.yaml` "
+        "(5000 steps on 16000 fresh v3 sequences), then `configs/embedded_dflash{2,1}_tune3.yaml` (5000 steps "
+        "on 16000 v4 sequences, typed prompts from 14 more packages); "
+        "`bash experiments/embedded/train_drafters.sh` runs all four.",
         "",
         "| drafter | conv | selector | τ | outputs identical to AR |",
         "|---|---|---|---|---|",
