@@ -23,7 +23,8 @@ Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(a
 back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also
 serve the whole prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with
 continuous batching: a finished row's place goes to the next prompt, as in a serving engine); tokens/s
-is then the set's total over its wall time and speedup is against batched AR at the same concurrency. `--quick` runs tiny random models for a smoke test (what CI runs).
+is then the set's total over its wall time and speedup is against batched AR at the same concurrency.
+`--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
 from __future__ import annotations
