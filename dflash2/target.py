@@ -180,7 +180,11 @@ class TargetAdapter:
         return TargetStep(out.logits, features, ids, start, None)
 
     def select_rows(self, cache: DynamicCache, rows: Tensor) -> None:
-        """Keep only the batch rows `rows` of the cache (finished sequences stop costing compute)."""
+        """Keep only the batch rows `rows` of the cache (finished sequences stop costing compute).
+        Keeping every row in order copies nothing."""
+        if cache.layers and rows.numel() == cache.layers[0].keys.shape[0] and \
+                torch.equal(rows.cpu(), torch.arange(rows.numel())):
+            return
         for layer in cache.layers:
             layer.keys = layer.keys.index_select(0, rows.to(layer.keys.device))
             layer.values = layer.values.index_select(0, rows.to(layer.values.device))
