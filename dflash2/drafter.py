@@ -138,6 +138,22 @@ class DFlash2Drafter(nn.Module):
         copy.load_state_dict(state)
         return copy.train(self.training)
 
+    def grown(self, num_layers: int) -> "DFlash2Drafter":
+        """A copy with `num_layers` backbone layers: this drafter's layers first, then new layers
+        that start as the identity (their attention and MLP output projections zero, so both
+        residual branches add nothing; the rest random). The copy drafts exactly what this one
+        does, and training can then use the extra depth: how a fine-tune grows a drafter."""
+        if num_layers < self.config.num_layers:
+            raise ValueError(f"cannot grow a {self.config.num_layers}-layer drafter to {num_layers} layers")
+        weight = self.backbone.fc.weight
+        copy = DFlash2Drafter(self.config.replace(num_layers=num_layers)).to(device=weight.device, dtype=weight.dtype)
+        missing, unexpected = copy.load_state_dict(self.state_dict(), strict=False)
+        assert not unexpected and all(k.startswith("backbone.layers.") for k in missing), (missing, unexpected)
+        for layer in copy.backbone.layers[self.config.num_layers:]:
+            nn.init.zeros_(layer.self_attn.o_proj.weight)
+            nn.init.zeros_(layer.mlp.down_proj.weight)
+        return copy.train(self.training)
+
     # -- the Drafter protocol used by spec_generate ----------------------------------------------
     @property
     def block_size(self) -> int:

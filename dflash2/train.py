@@ -51,7 +51,7 @@ class DataConfig:
 class TrainConfig:
     target: str = ""  # HF causal LM directory or hub id
     out: str = "runs/drafter"
-    init: str | None = None  # a drafter directory to start from (fine-tuning); None: random init
+    init: str | None = None  # a drafter directory to start from (fine-tuning; it may have fewer layers); None: random
     drafter: dict[str, Any] = field(default_factory=dict)  # DFlash2Config fields
     data: DataConfig = field(default_factory=DataConfig)
     steps: int = 100
@@ -204,8 +204,10 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     target.requires_grad_(False)
     torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
     drafter = DFlash2Drafter.from_target(target, **cfg.drafter).train()
-    if cfg.init:  # same shapes required: a fine-tune continues the given drafter, optimiser fresh
+    if cfg.init:  # a fine-tune continues the given drafter (optimiser fresh); only depth may grow
         start = DFlash2Drafter.from_pretrained(cfg.init)
+        if start.config.num_layers < drafter.config.num_layers:
+            start = start.grown(drafter.config.num_layers)
         have, want = start.config.to_dict(), drafter.config.to_dict()
         differ = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
         if differ:

@@ -253,6 +253,35 @@ def test_with_config_shares_weights_and_ablates_the_selector():
         plain.with_config(selector="walk")
 
 
+@pytest.mark.parametrize("conv", ["two_tap", "none"])
+def test_grown_drafter_drafts_exactly_what_it_grew_from_and_its_new_layer_learns(conv):
+    """grown(n): the old layers first, then identity layers (zero output projections), so the draft
+    logits are equal to the last bit; the new layer's output projections still get gradients."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(2)
+    d = DFlash2Drafter.from_target(target, block_size=6, conv=conv, selector="argmax", mask_token_id=MASK,
+                                   num_layers=2)
+    for p in d.parameters():  # every weight random, the convs' kernel maps included (identity at init)
+        torch.nn.init.normal_(p, std=0.3) if p.dim() > 1 else None
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    g = d.grown(3)
+    assert g.config.num_layers == 3 and len(g.backbone.layers) == 3
+    for prompt in ([5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2]):
+        features = adapter.forward(torch.tensor([prompt]), adapter.new_cache()).features
+        logits = []
+        for m in (d, g):
+            cache = m.new_cache()
+            m.backbone.extend_context(cache, features)
+            logits.append(m.draft_logits(m.block_hidden(cache, 4, adapter), adapter))
+        assert torch.equal(logits[0], logits[1])
+    logits[1].logsumexp(-1).sum().backward()
+    new = g.backbone.layers[2]
+    assert new.self_attn.o_proj.weight.grad.abs().sum() > 0 and new.mlp.down_proj.weight.grad.abs().sum() > 0
+    assert not torch.equal(g.backbone.layers[0].self_attn.q_proj.weight, new.self_attn.q_proj.weight)
+    with pytest.raises(ValueError, match="cannot grow"):
+        d.grown(1)
+
+
 @pytest.mark.parametrize("selector", ["walk", "argmax"])
 def test_draft_len_proposes_a_prefix_of_the_full_block(selector):
     """draft_len n: the drafter still runs its whole block, so the greedy walk and top-1 propose the

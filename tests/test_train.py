@@ -144,6 +144,13 @@ def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
     fresh = tmp_path / "fresh"
     train(load_config(None, overrides(target_dir, fresh, steps=2, lr=0.0)))
     assert not all(torch.equal(start[k], final_state(fresh)[k]) for k in start)  # without init: random
+    deeper = tmp_path / "deeper"  # a deeper run grows the init drafter (DFlash2Drafter.grown), nothing else may differ
+    train(load_config(None, overrides(target_dir, deeper, steps=2, lr=0.0, init=str(first / "final"),
+                                      **{"drafter.num_layers": 2})))
+    grown = final_state(deeper)
+    assert all(torch.equal(start[k], grown[k]) for k in start)
+    assert not grown["backbone.layers.1.self_attn.o_proj.weight"].any()
+    assert not grown["backbone.layers.1.mlp.down_proj.weight"].any()
     with pytest.raises(ValueError, match="block_size': \\(4, 8\\)"):
         train(load_config(None, overrides(target_dir, tmp_path / "bad", init=str(first / "final"),
                                           **{"drafter.block_size": 8})))
