@@ -81,3 +81,15 @@ def test_chat_template_and_thinking_switch():
 def test_thinking_needs_chat():
     out = run_cli("--no-thinking", "--max-new-tokens", "2")
     assert out.returncode == 2 and "need --chat" in out.stderr
+
+
+def test_embedded_pair_fits_the_40_mb_budget():
+    """Tokenizer, target, both drafters and the AR draft model ship in the wheel: under 40 MB together."""
+    from pathlib import Path
+
+    from dflash2 import embedded
+
+    root = Path(embedded.__file__).parent
+    files = [p for p in root.rglob("*") if p.is_file() and p.suffix in {".json", ".safetensors", ".txt"}]
+    assert {p.relative_to(root).parts[0] for p in files} >= {"tokenizer", "target", "dflash2", "dflash1", "ar_draft"}
+    assert sum(p.stat().st_size for p in files) < 40e6
