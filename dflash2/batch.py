@@ -28,7 +28,7 @@ from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _check_pair
                    _choose, _synchronizer)
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams
-from .target import TargetAdapter
+from .target import TargetAdapter, cat_rows_left_padded
 from .verify import commit, verify_block
 
 
@@ -88,7 +88,8 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             tgt.select_rows(new_cache, rows)
             if alive:
                 tgt.append_rows(cache, new_cache)
-                valid, pos = _append_rows(valid, new_valid[rows]), _append_rows(pos, new_pos[rows])
+                valid = cat_rows_left_padded(valid, new_valid[rows], slot_dim=1)  # as append_rows pads the cache
+                pos = cat_rows_left_padded(pos, new_pos[rows], slot_dim=1)
             else:
                 cache, valid, pos = new_cache, new_valid[rows], new_pos[rows]
             alive += [newcomers[i] for i in joined]
@@ -132,9 +133,9 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             rows = torch.tensor(still, dtype=torch.long)
             tgt.select_rows(cache, rows)
             valid, pos, alive = valid[rows], pos[rows], [alive[i] for i in still]
-        live = valid.any(0)  # [S + W] slots live in some row
-        if alive and 4 * int((~live).sum()) > live.numel():  # compact once a quarter of the slots are dead
-            columns = live.nonzero()[:, 0]
+        used = valid.any(0)  # [S + W] slots live in some row
+        if alive and 4 * int((~used).sum()) > used.numel():  # compact once a quarter of the slots are dead
+            columns = used.nonzero()[:, 0]
             tgt.keep_slots(cache, columns)
             valid, pos = valid[:, columns], pos[:, columns]
         sync()
@@ -159,14 +160,6 @@ def _prefill(tgt: TargetAdapter, prompts: list[Tensor]):
     step = tgt.forward_masked(ids, pos, pos, valid[:, None, :] & torch.ones(T, T, dtype=torch.bool).tril(), cache)
     features = [None if step.features is None else step.features[r: r + 1, valid[r]] for r in range(len(prompts))]
     return cache, valid, pos, step.logits[:, -1], features
-
-
-def _append_rows(running: Tensor, new: Tensor) -> Tensor:
-    """Stack [R, S] and [n, T] row-wise, left-padding the narrower with zeros (False: dead slots),
-    as `TargetAdapter.append_rows` pads the cache."""
-    S, T = running.shape[1], new.shape[1]
-    pad = lambda t, k: torch.nn.functional.pad(t, (k, 0))  # noqa: E731
-    return torch.cat([pad(running, max(T - S, 0)), pad(new, max(S - T, 0))])
 
 
 def ar_generate_batch(target, input_ids: Tensor, attention_mask: Tensor | None = None, *, max_new_tokens: int,

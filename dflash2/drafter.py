@@ -127,16 +127,20 @@ class DFlash2Drafter(nn.Module):
         """A copy with some config fields changed and the same weights: block size, selector among
         walk/viterbi (or argmax, which drops the codebooks: the selector ablation), top-K, context
         window (fields that change no parameter shape)."""
-        weight = self.backbone.fc.weight
         config = self.config.replace(**changes)
         if config.selector != "argmax" and self.config.selector == "argmax":
             raise ValueError(f"selector {config.selector!r} needs trained codebooks; this drafter has none (argmax)")
         state = self.state_dict()
         if config.selector == "argmax":
             state = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}
-        copy = DFlash2Drafter(config).to(device=weight.device, dtype=weight.dtype)
-        copy.load_state_dict(state)
-        return copy.train(self.training)
+        return self._copy(config, state)[0]
+
+    def _copy(self, config: DFlash2Config, state: dict[str, Tensor], strict: bool = True):
+        """A new drafter of `config` on this one's device, dtype and train mode, loaded with `state`
+        → (drafter, load_state_dict's missing/unexpected keys)."""
+        weight = self.backbone.fc.weight
+        copy = DFlash2Drafter(config).to(device=weight.device, dtype=weight.dtype).train(self.training)
+        return copy, copy.load_state_dict(state, strict=strict)
 
     def grown(self, num_layers: int) -> "DFlash2Drafter":
         """A copy with `num_layers` backbone layers: this drafter's layers first, then new layers
@@ -145,14 +149,13 @@ class DFlash2Drafter(nn.Module):
         does, and training can then use the extra depth: how a fine-tune grows a drafter."""
         if num_layers < self.config.num_layers:
             raise ValueError(f"cannot grow a {self.config.num_layers}-layer drafter to {num_layers} layers")
-        weight = self.backbone.fc.weight
-        copy = DFlash2Drafter(self.config.replace(num_layers=num_layers)).to(device=weight.device, dtype=weight.dtype)
-        missing, unexpected = copy.load_state_dict(self.state_dict(), strict=False)
+        copy, (missing, unexpected) = self._copy(self.config.replace(num_layers=num_layers), self.state_dict(),
+                                                 strict=False)
         assert not unexpected and all(k.startswith("backbone.layers.") for k in missing), (missing, unexpected)
         for layer in copy.backbone.layers[self.config.num_layers:]:
             nn.init.zeros_(layer.self_attn.o_proj.weight)
             nn.init.zeros_(layer.mlp.down_proj.weight)
-        return copy.train(self.training)
+        return copy
 
     # -- the Drafter protocol used by spec_generate ----------------------------------------------
     @property

@@ -195,11 +195,9 @@ class TargetAdapter:
         must mask as dead."""
         if self.hybrid:
             raise NotImplementedError("batched caches need an attention-only target")
-        pad = lambda t, n: torch.nn.functional.pad(t, (0, 0, n, 0))  # noqa: E731  [N, heads, S, head_dim]
-        for mine, theirs in zip(cache.layers, other.layers):
-            S, T = mine.keys.shape[-2], theirs.keys.shape[-2]
-            mine.keys = torch.cat([pad(mine.keys, max(T - S, 0)), pad(theirs.keys, max(S - T, 0))])
-            mine.values = torch.cat([pad(mine.values, max(T - S, 0)), pad(theirs.values, max(S - T, 0))])
+        for mine, theirs in zip(cache.layers, other.layers):  # [N, heads, S, head_dim]: slots are dim 2
+            mine.keys = cat_rows_left_padded(mine.keys, theirs.keys, slot_dim=2)
+            mine.values = cat_rows_left_padded(mine.values, theirs.values, slot_dim=2)
 
     def keep_slots(self, cache: DynamicCache, slots: Tensor) -> None:
         """Keep only the cache slots `slots` (ascending), in every row."""
@@ -247,6 +245,14 @@ class TargetAdapter:
         """hidden [..., H] → [..., V] with the target's frozen LM head (differentiable in `hidden`:
         training backpropagates through it; the head's own weights stay frozen)."""
         return self.model.get_output_embeddings()(hidden)
+
+
+def cat_rows_left_padded(a: Tensor, b: Tensor, slot_dim: int) -> Tensor:
+    """Stack a [R, ..., S, ...] and b [n, ..., T, ...] along rows (dim 0), left-padding the one with
+    fewer slots (along `slot_dim`) with zeros: empty cache slots, or False in a live-slot mask."""
+    S, T = a.shape[slot_dim], b.shape[slot_dim]
+    pad = lambda t, k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - slot_dim) + (k, 0))  # noqa: E731
+    return torch.cat([pad(a, max(T - S, 0)), pad(b, max(S - T, 0))])
 
 
 def _is_hybrid(config) -> bool:
