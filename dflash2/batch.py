@@ -24,7 +24,7 @@ import time
 import torch
 from torch import Tensor
 
-from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _check_pair, _check_prompt, _check_stops,
+from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _adapt, _check_prompt, _check_stops,
                    _choose, _synchronizer)
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams
@@ -43,13 +43,10 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     concurrency: at most this many rows in flight (None: all N). When a row finishes, the next waiting
     prompt is prefilled and joins the running batch (continuous batching, as serving engines run)."""
     params = SamplingParams(temperature, top_k, top_p)
-    tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target, drafter.target_layer_ids)
-    if tgt.layer_ids != tuple(drafter.target_layer_ids):
-        raise ValueError(f"the target adapter reads layers {tgt.layer_ids}, the drafter wants {drafter.target_layer_ids}")
+    tgt = _adapt(drafter, target)
     if tgt.hybrid:
         raise ValueError("batched decoding needs an attention-only target: padded and ragged rows would leak into "
                          "linear_attention's recurrent state; decode the rows one at a time with spec_generate")
-    _check_pair(drafter, tgt)
     prompts = _check_batch(input_ids, attention_mask, tgt, max_new_tokens)
     if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
                                     or concurrency < 1):

@@ -116,10 +116,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     `n_drafted` of them are accepted draft tokens, the rest come from the target itself.
     """
     params = SamplingParams(temperature, top_k, top_p)
-    tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target, drafter.target_layer_ids)
-    if tgt.layer_ids != tuple(drafter.target_layer_ids):
-        raise ValueError(f"the target adapter reads layers {tgt.layer_ids}, the drafter wants {drafter.target_layer_ids}")
-    _check_pair(drafter, tgt)
+    tgt = _adapt(drafter, target)
     prompt = _check_prompt(input_ids, tgt, max_new_tokens)
     stops = _check_stops(stop_token_ids, tgt.vocab_size)
     _check_verify(verify, tree_nodes, drafter, tgt)
@@ -195,6 +192,19 @@ def _choose(logits: Tensor, params: SamplingParams, rng: RandomSource) -> int:
     if params.greedy:
         return int(greedy_token(logits).item())
     return rng.categorical(process_logits(logits, params))
+
+
+def _adapt(drafter: Drafter, target) -> TargetAdapter:
+    """The target behind a TargetAdapter that reads the drafter's layers, once the pair is checked."""
+    if not all(hasattr(drafter, name) for name in ("propose", "new_cache", "target_layer_ids")):
+        swapped = " (are drafter and target swapped? the drafter comes first)" if hasattr(target, "propose") else ""
+        raise TypeError(f"drafter must be a Drafter (propose, new_cache, target_layer_ids), "
+                        f"got {type(drafter).__name__}{swapped}")
+    tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target, drafter.target_layer_ids)
+    if tgt.layer_ids != tuple(drafter.target_layer_ids):
+        raise ValueError(f"the target adapter reads layers {tgt.layer_ids}, the drafter wants {drafter.target_layer_ids}")
+    _check_pair(drafter, tgt)
+    return tgt
 
 
 def _check_pair(drafter: Drafter, tgt: TargetAdapter) -> None:

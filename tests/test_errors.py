@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from dflash2 import DFlash2Config, DFlash2Drafter, ar_generate, spec_generate
+from dflash2 import DFlash2Config, DFlash2Drafter, ar_generate, spec_generate, spec_generate_batch
 from tests.helpers import MASK, tiny_target
 
 BASE = dict(hidden_size=32, vocab_size=48, num_target_layers=4)
@@ -87,6 +87,13 @@ def test_target_must_be_a_causal_lm(pair):
     drafter, _ = pair
     with pytest.raises(TypeError, match="Hugging Face causal LM"):
         spec_generate(drafter, torch.nn.Linear(2, 2), PROMPT, max_new_tokens=3)
+
+
+def test_swapped_drafter_and_target_are_named(pair):
+    drafter, target = pair
+    for generate in (spec_generate, spec_generate_batch):
+        with pytest.raises(TypeError, match="swapped"):
+            generate(target, drafter, PROMPT, max_new_tokens=3)
 
 
 def test_recurrent_targets_without_rollback_are_refused_clearly():
