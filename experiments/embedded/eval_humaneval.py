@@ -5,7 +5,8 @@
     python experiments/embedded/eval_humaneval.py --target DIR --drafter dflash2=DIR --drafter dflash1=DIR
 
 Writes docs/results/humaneval_tau.json and docs/results/humaneval_acceptance.png (per-position
-acceptance: the fraction of rounds that accepted at least k draft tokens) and prints a markdown table.
+acceptance: the fraction of rounds that accepted at least k draft tokens; and τ by where in the
+output a round starts, in 32-token stretches) and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -34,10 +35,25 @@ def humaneval_prompts(n: int) -> list[str]:
         raise SystemExit(f"error: {err}") from None
 
 
+SEGMENT = 32  # tokens per output stretch in tau_by_segment
+
+
 def acceptance_curve(lengths: list[int], block_size: int) -> list[float]:
     """P(round commits more than k draft tokens) for k = 0..B-1: position k+1 accepted."""
     rounds = max(1, len(lengths))
     return [sum(length - 1 >= k for length in lengths) / rounds for k in range(1, block_size)]
+
+
+def tau_by_segment(per_prompt: list[list[int]], segment: int, max_new_tokens: int) -> list[float | None]:
+    """τ of the rounds that start in each `segment`-token stretch of the output: the first new token
+    comes from the prefill, so a prompt's rounds start at output offsets 1, 1 + a_1, 1 + a_1 + a_2, ..."""
+    bins: list[list[int]] = [[] for _ in range(-(-max_new_tokens // segment))]
+    for lengths in per_prompt:
+        offset = 1
+        for a in lengths:
+            bins[min(offset // segment, len(bins) - 1)].append(a)
+            offset += a
+    return [sum(b) / len(b) if b else None for b in bins]
 
 
 def main() -> int:
@@ -65,14 +81,16 @@ def main() -> int:
         drafter = DFlash2Drafter.from_pretrained(path, dtype=torch.float32).eval()
         if drafter.config.block_size != args.block_size:
             drafter = drafter.with_config(block_size=args.block_size)
-        lengths, identical = [], 0
+        lengths, per_prompt, identical = [], [], 0
         for ids, ref in zip(prompts, reference):
             out = spec_generate(drafter, target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
             identical += torch.equal(out.sequences, ref)
             lengths += out.acceptance_lengths
+            per_prompt.append(out.acceptance_lengths)
         rows[name] = dict(tau=sum(lengths) / max(1, len(lengths)), rounds=len(lengths), identical_to_ar=identical,
                           prompts=len(prompts), conv=drafter.config.conv, selector=drafter.config.selector,
-                          acceptance_by_position=acceptance_curve(lengths, args.block_size))
+                          acceptance_by_position=acceptance_curve(lengths, args.block_size),
+                          tau_by_segment=tau_by_segment(per_prompt, SEGMENT, args.max_new_tokens))
         print(f"{name}: τ = {rows[name]['tau']:.3f} over {len(lengths)} rounds; identical to AR {identical}/{len(prompts)}")
     meta = dict(command=" ".join(sys.argv), date=str(datetime.date.today()), machine=platform.platform(),
                 prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size)
@@ -82,6 +100,9 @@ def main() -> int:
     print("\n| drafter | conv | selector | τ | identical to AR |\n|---|---|---|---|---|")
     for name, r in rows.items():
         print(f"| {name} | {r['conv']} | {r['selector']} | {r['tau']:.2f} | {r['identical_to_ar']}/{r['prompts']} |")
+    print(f"\nτ of the rounds starting in each {SEGMENT}-token stretch of the output:")
+    for name, r in rows.items():
+        print(f"{name}: " + ", ".join("—" if t is None else f"{t:.2f}" for t in r["tau_by_segment"]))
     return 0 if all(r["identical_to_ar"] == r["prompts"] for r in rows.values()) else 1
 
 
