@@ -93,7 +93,8 @@ def main() -> int:
                           tau_by_segment=tau_by_segment(per_prompt, SEGMENT, args.max_new_tokens))
         print(f"{name}: τ = {rows[name]['tau']:.3f} over {len(lengths)} rounds; identical to AR {identical}/{len(prompts)}")
     meta = dict(command=" ".join(sys.argv), date=str(datetime.date.today()), machine=platform.platform(),
-                prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size)
+                prompts=args.prompts, max_new_tokens=args.max_new_tokens, block_size=args.block_size,
+                segment=SEGMENT)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "humaneval_tau.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     _plot(rows, args.block_size, args.out / "humaneval_acceptance.png")

@@ -103,6 +103,19 @@ def main() -> int:
     if {"dflash2", "dflash1"} <= set(rows):
         ratio = rows["dflash2"]["tau"] / rows["dflash1"]["tau"]
         lines += [f"τ(DFlash 2) / τ(DFlash 1) = {ratio:.3f}.", ""]
+    if all("tau_by_segment" in r for r in rows.values()):
+        seg = meta["segment"]
+        n = len(next(iter(rows.values()))["tau_by_segment"])
+        lines += [
+            f"τ by where in the output a round starts ({seg}-token stretches): the first stretch, where the "
+            "target opens a new signature and docstring after the prompt, is drafted worst.",
+            "",
+            "| drafter | " + " | ".join(f"tokens {seg * i}–{seg * (i + 1) - 1}" for i in range(n)) + " |",
+            "|---|" + "---|" * n,
+            *[f"| {name} | " + " | ".join("—" if t is None else f"{t:.2f}" for t in r["tau_by_segment"]) + " |"
+              for name, r in rows.items()],
+            "",
+        ]
     lines += _confidence_section()
     ctx_path = RESULTS / "context_window.json"
     if ctx_path.is_file():
