@@ -243,6 +243,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     step = 0
     state = load_checkpoint(out / "ckpt.pt")
     if state is not None:
+        check_resume(out / "ckpt.config.json", cfg)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -284,6 +285,23 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
         dist.barrier()
         dist.destroy_process_group()
     return out
+
+
+RESUME_FREE = {"out", "ckpt_every"}  # fields a resumed run may change: they change none of its results
+
+
+def check_resume(path: Path, cfg: TrainConfig) -> None:
+    """A run resumes only with the config that wrote its checkpoint: with another lr, schedule or data,
+    the resumed run would silently differ from the run it continues."""
+    if not path.is_file():
+        return
+    stored = json.loads(path.read_text())
+    now = json.loads(json.dumps(cfg.to_dict()))  # as JSON stores it (tuples become lists)
+    differ = {k: (stored[k], now[k]) for k in sorted(stored.keys() & now.keys())
+              if k not in RESUME_FREE and stored[k] != now[k]}
+    if differ:
+        raise ValueError(f"{path.parent / 'ckpt.pt'} was written with another config (field: then, now): {differ}; "
+                         "resume with the same config, or train into a new `out`")
 
 
 def export_checkpoint(cfg: TrainConfig, directory: str | Path) -> int:

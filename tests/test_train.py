@@ -92,6 +92,18 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(target_dir, tmp_path):
     assert json.loads((killed / "ckpt.config.json").read_text())["steps"] == steps
 
 
+def test_resuming_with_another_config_is_refused(target_dir, tmp_path):
+    from dflash2.train import main
+
+    args = overrides(target_dir, tmp_path / "run", steps=4)
+    train(load_config(None, args), stop_after=2)
+    with pytest.raises(ValueError, match=r"another config.*'lr': \(0\.0006, 0\.001\)"):
+        train(load_config(None, [*args, "lr=1e-3"]))
+    assert main([*args, "lr=1e-3"]) == 2  # the CLI: one error line, no traceback
+    train(load_config(None, [*args, "ckpt_every=2"]))  # a field that changes no result may differ
+    assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 4
+
+
 def test_ddp_two_processes_keep_identical_replicas(target_dir, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
