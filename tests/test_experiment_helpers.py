@@ -28,3 +28,37 @@ def test_tau_by_segment_bins_each_round_by_where_it_starts():
 def test_acceptance_curve_counts_rounds_with_at_least_k_drafts():
     curve = _load("experiments/embedded/eval_humaneval.py").acceptance_curve
     assert curve([1, 2, 4], block_size=4) == [2 / 3, 1 / 3, 1 / 3]
+
+
+SOURCE = '''import os
+from typing import List
+
+
+def plain(x):
+    """No annotation, no example."""
+    return x
+
+
+def typed(x: int) -> int:
+    """Annotated."""
+    return x
+
+
+class K:
+    def method(self, xs):
+        """Has an example.
+
+        >>> K().method([1])
+        [1]
+        """
+        return xs
+'''
+
+
+def test_package_functions_keep_what_the_predicate_asks_for():
+    bp = _load("experiments/embedded/build_prompts.py")
+    typed = bp.package_functions(SOURCE, bp.annotated)
+    doc = bp.package_functions(SOURCE, bp.has_doctest)
+    assert len(typed) == 1 and "def typed(x: int) -> int:" in typed[0] and "return x" not in typed[0]
+    assert len(doc) == 1 and doc[0].startswith("import os\nfrom typing import List\n\n\ndef method(self, xs):")
+    assert doc[0].rstrip().endswith('"""')  # signature and docstring, no body, dedented to the top level

@@ -41,6 +41,7 @@ import random
 import re
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -78,9 +79,17 @@ def build(tok, tokens: int) -> list[list[int]]:
     return [p for kind in kinds for p in rng.sample(kind, n)]
 
 
-def typed_functions(text: str, doctest: bool = False) -> list[str]:
-    """Standalone snippets `imports + signature + docstring` of the annotated, documented functions;
-    with `doctest`, of the functions whose docstring has `>>>` examples instead, annotated or not."""
+def annotated(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return node.returns is not None or any(a.annotation is not None for a in node.args.args)
+
+
+def has_doctest(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    return ">>>" in ast.get_docstring(node)
+
+
+def package_functions(text: str, keep: Callable[[ast.FunctionDef | ast.AsyncFunctionDef], bool]) -> list[str]:
+    """Standalone snippets `imports + signature + docstring` of the documented functions that `keep`
+    accepts (`annotated`, `has_doctest`)."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
@@ -92,29 +101,25 @@ def typed_functions(text: str, doctest: bool = False) -> list[str]:
     for node in ast.walk(tree):
         if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not ast.get_docstring(node):
             continue
-        if doctest:
-            if ">>>" not in ast.get_docstring(node):
-                continue
-        elif node.returns is None and all(a.annotation is None for a in node.args.args):
+        if not keep(node):
             continue
         start = (node.decorator_list[0].lineno if node.decorator_list else node.lineno) - 1
         out.append(imports + "\n\n" + textwrap.dedent("".join(lines[start: node.body[0].end_lineno])))
     return out
 
 
-def build_typed(tok, packages: list[str], tokens: int, doctest: bool = False) -> list[list[int]]:
+def build_from_packages(tok, packages: list[str], tokens: int, keep) -> list[list[int]]:
     prompts = []
     for package in packages:
         spec = importlib.util.find_spec(package)
         if spec is None or spec.origin is None:
             raise SystemExit(f"error: package {package!r} is not installed")
         dist = importlib.metadata.packages_distributions().get(package, [package])[0]  # PIL → pillow
-        kind = "doctest" if doctest else "typed"
-        print(f"{kind} prompts from {package} ({dist} {importlib.metadata.version(dist)})")
+        print(f"{keep.__name__} prompts from {package} ({dist} {importlib.metadata.version(dist)})")
         for path in sorted(Path(spec.origin).parent.rglob("*.py")):
             if {"test", "tests"} & set(path.parts):
                 continue
-            for snippet in typed_functions(path.read_text(encoding="utf-8", errors="replace"), doctest):
+            for snippet in package_functions(path.read_text(encoding="utf-8", errors="replace"), keep):
                 ids = tok(snippet).input_ids[-tokens:]
                 if len(ids) == tokens:
                     prompts.append(ids)
@@ -135,12 +140,12 @@ if __name__ == "__main__":
     prompts = build(tok, args.tokens)
     n_stdlib = len(prompts)
     if args.typed:
-        typed = build_typed(tok, args.typed, args.tokens)
+        typed = build_from_packages(tok, args.typed, args.tokens, annotated)
         typed = random.Random(1).sample(typed, min(len(typed), n_stdlib))  # at most as many as stdlib ones
         print(f"{len(prompts)} stdlib prompts, {len(typed)} typed prompts")
         prompts += typed
     if args.doctest:
-        doc = build_typed(tok, args.doctest, args.tokens, doctest=True)
+        doc = build_from_packages(tok, args.doctest, args.tokens, has_doctest)
         doc = random.Random(2).sample(doc, min(len(doc), n_stdlib))  # at most as many as stdlib ones
         print(f"{len(doc)} doctest prompts")
         prompts += doc
