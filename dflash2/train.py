@@ -217,6 +217,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     B = drafter.config.block_size
     if cfg.gamma is None:
         cfg.gamma = {16: 7.0, 8: 4.0}.get(B, B / 2)
+    check_resume(out, cfg)  # before minutes of data regeneration, once the config is fully resolved
     adapter = TargetAdapter(target, drafter.target_layer_ids)
     step_module: nn.Module = TrainStep(drafter, adapter, cfg)
     if distributed:
@@ -243,7 +244,6 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
     step = 0
     state = load_checkpoint(out / "ckpt.pt")
     if state is not None:
-        check_resume(out / "ckpt.config.json", cfg)
         drafter.load_state_dict(state["drafter"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -290,17 +290,18 @@ def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
 RESUME_FREE = {"out", "ckpt_every"}  # fields a resumed run may change: they change none of its results
 
 
-def check_resume(path: Path, cfg: TrainConfig) -> None:
-    """A run resumes only with the config that wrote its checkpoint: with another lr, schedule or data,
-    the resumed run would silently differ from the run it continues."""
-    if not path.is_file():
+def check_resume(out: Path, cfg: TrainConfig) -> None:
+    """A run resumes only with the config that wrote its checkpoint in `out`: with another lr, schedule
+    or data, the resumed run would silently differ from the run it continues."""
+    path = out / "ckpt.config.json"
+    if not (out / "ckpt.pt").is_file() or not path.is_file():
         return
     stored = json.loads(path.read_text())
     now = json.loads(json.dumps(cfg.to_dict()))  # as JSON stores it (tuples become lists)
     differ = {k: (stored[k], now[k]) for k in sorted(stored.keys() & now.keys())
               if k not in RESUME_FREE and stored[k] != now[k]}
     if differ:
-        raise ValueError(f"{path.parent / 'ckpt.pt'} was written with another config (field: then, now): {differ}; "
+        raise ValueError(f"{out / 'ckpt.pt'} was written with another config (field: then, now): {differ}; "
                          "resume with the same config, or train into a new `out`")
 
 
