@@ -43,9 +43,9 @@ class TwoTapDynamicConv(nn.Module):
     def kernels(self, h: Tensor) -> tuple[Tensor, Tensor]:
         """h [N, T, H] → (pre, post) kernels, each [N, T, taps, H]."""
         N, T, _ = h.shape
-        delta = self.kernel_projection(h).view(N, T, 2, self.taps, self.num_groups)
-        delta = delta.repeat_interleave(self.group_size, dim=-1)  # [N, T, 2, taps, H]
-        kernel = self.base_kernel.to(h.dtype) + delta
+        delta = self.kernel_projection(h).view(N, T, 2, self.taps, self.num_groups, 1)  # one δ per channel group
+        base = self.base_kernel.to(h.dtype).view(2, self.taps, self.num_groups, self.group_size)
+        kernel = (base + delta).view(N, T, 2, self.taps, -1)  # [N, T, 2, taps, H]
         return kernel[:, :, 0], kernel[:, :, 1]
 
     def convolve(self, x: Tensor, kernel: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype in (torch.float32, torch.float64) and x.dtype == self.weight.dtype:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one kernel, the same formula
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         h = x.to(compute)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -68,10 +70,15 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         if flash is not None:  # flash-attn takes [N, T, h, d] and handles GQA itself
             out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
             return out.transpose(1, 2)
+    if groups > 1 and _SDPA_GQA:  # the kernel reads each K/V head for its group of query heads
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa is new in 2.5
 
 
 def _flash_attn_func():
