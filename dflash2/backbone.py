@@ -136,7 +136,17 @@ class BlockDiffusionBackbone(nn.Module):
         sizes = [f.shape[1] for f in features]
         device = features[0].device
         positions = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, sizes)])
-        new = self.context_kv(torch.cat(features, dim=1), positions)  # per layer (k, v) [1, kv, Σn, hd]
+        rows = torch.cat(features, dim=1)  # [1, Σn, F]
+        # A half-precision drafter on CPU: zero rows pad the new positions to a multiple of the block size,
+        # so the projections see a few fixed shapes (a round adds 1..B positions); oneDNN re-creates its
+        # half-precision matmul whenever the shape changes, at 4× the product's own cost. Pad rows are
+        # dropped with the slicing below. Float32 (MKL) has no such cost and is left as is.
+        half = self.fc.weight.dtype in (torch.bfloat16, torch.float16) and self.fc.weight.device.type == "cpu"
+        pad = -rows.shape[1] % self.config.block_size if half else 0
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(pad, device=device)])
+        new = self.context_kv(rows, positions)  # per layer (k, v) [1, kv, Σn + pad, hd]
         window = self.config.context_window
         for r, cache in enumerate(caches):
             lo, hi = sum(sizes[:r]), sum(sizes[: r + 1])

@@ -54,8 +54,9 @@ class CodebookSelector(nn.Module):
 
     def edge_scores(self, prev: Tensor, hidden: Tensor, cand: Tensor) -> Tensor:
         """Pairwise term: prev [..., P] ids, hidden [..., H], cand [..., K] ids → [..., P, K]."""
-        a = self.predecessor_codebook[prev] * self.hidden_projection(hidden).unsqueeze(-2)  # [..., P, r]
-        return a @ self.successor_codebook[cand].transpose(-1, -2)  # [..., P, K]
+        dtype = torch.promote_types(hidden.dtype, torch.float32)  # tiny products: half precision only loses
+        a = self.predecessor_codebook[prev].to(dtype) * self.hidden_projection(hidden).to(dtype).unsqueeze(-2)  # [..., P, r]
+        return a @ self.successor_codebook[cand].to(dtype).transpose(-1, -2)  # [..., P, K]
 
     def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
         """cands [..., L, K], hidden [..., L, H], anchor int (or ids [...]) → first [..., K] (from the
@@ -63,7 +64,7 @@ class CodebookSelector(nn.Module):
 
         Score of the path (k_0..k_{L-1}) = first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]; unaries included.
         """
-        U = cands.scores.to(hidden.dtype)
+        U = cands.scores.to(torch.promote_types(hidden.dtype, torch.float32))
         anchor_ids = torch.as_tensor(anchor, device=cands.ids.device).reshape(*cands.ids.shape[:-2], 1)
         first = U[..., 0, :] + self.edge_scores(anchor_ids, hidden[..., 0, :], cands.ids[..., 0, :])[..., 0, :]
         steps = U[..., 1:, None, :] + self.edge_scores(cands.ids[..., :-1, :], hidden[..., 1:, :], cands.ids[..., 1:, :])

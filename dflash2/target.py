@@ -35,6 +35,7 @@ import inspect
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
@@ -77,6 +78,7 @@ class TargetAdapter:
             raise ValueError(f"target_layer_ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._head_copy: tuple[tuple, tuple[Tensor, Tensor | None]] | None = None  # see lm_logits
 
     # -- facts about the target ------------------------------------------------------------------
     @property
@@ -212,7 +214,14 @@ class TargetAdapter:
         if rows == list(range(len(rows))):
             self.rollback(cache, step, len(rows))
             return
-        self.keep_slots(cache, torch.cat([torch.arange(step.start), step.start + torch.tensor(rows)]))
+        if self.hybrid:
+            raise NotImplementedError("hybrid targets can only keep a prefix of their cache")
+        src = step.start + torch.tensor(rows)
+        for layer in cache.layers:  # [N, heads, S, head_dim]: move the path's entries down, then crop
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                t[:, :, step.start: step.start + len(rows)] = t.index_select(2, src.to(t.device))
+        self.crop(cache, step.start + len(rows))
 
     def _attention_kinds(self) -> dict[str, int | None]:
         """Attention layer kinds of the target and their sliding window (None: full attention)."""
@@ -243,8 +252,27 @@ class TargetAdapter:
 
     def lm_logits(self, hidden: Tensor) -> Tensor:
         """hidden [..., H] → [..., V] with the target's frozen LM head (differentiable in `hidden`:
-        training backpropagates through it; the head's own weights stay frozen)."""
-        return self.model.get_output_embeddings()(hidden)
+        training backpropagates through it; the head's own weights stay frozen).
+
+        A drafter may run in another dtype than the target (e.g. a bfloat16 drafter for a float32
+        target: the draft never changes what is committed, only how often it is accepted). Its
+        hidden states then go through a copy of the head in their dtype, cast once and kept."""
+        head = self.model.get_output_embeddings()
+        if hidden.dtype == head.weight.dtype:
+            return head(hidden)
+        weight, bias = self._head_in(hidden.dtype)
+        return F.linear(hidden, weight, bias)
+
+    def _head_in(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
+        """The LM head's weight and bias cast to `dtype`, recast only when the head changes."""
+        head = self.model.get_output_embeddings()
+        bias = getattr(head, "bias", None)
+        key = (dtype, head.weight.data_ptr(), head.weight._version)
+        if self._head_copy is None or self._head_copy[0] != key:
+            with torch.no_grad():
+                cast = (head.weight.to(dtype), None if bias is None else bias.to(dtype))
+            self._head_copy = (key, cast)
+        return self._head_copy[1]
 
 
 def cat_rows_left_padded(a: Tensor, b: Tensor, slot_dim: int) -> Tensor:

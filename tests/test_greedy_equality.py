@@ -3,6 +3,7 @@ invariants, for tiny float64 targets of several architectures and every drafter 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -116,3 +117,35 @@ def test_output_tokens_equal_to_mask_id_survive():
                            stop_token_ids=[mask])
     assert result.sequences[0].tolist() == hf_greedy(target, prompt, 30, [mask])
     assert result.new_tokens.tolist()[-1] == mask
+
+
+@pytest.mark.parametrize("verify", ["path", "tree"])
+def test_half_precision_drafter_stays_lossless_and_useful(verify):
+    """A bfloat16 drafter for a float32 target (the embedded pair): what is committed is still the
+    target's greedy output, and the drafts still get accepted (the head copy in bfloat16 is right)."""
+    from dflash2.embedded import load_embedded
+
+    tok, target, drafter = load_embedded()
+    drafter = drafter.to(torch.bfloat16)
+    lengths = []
+    for prompt in ("def add(a, b):\n    \"\"\"Return a + b.\"\"\"\n", "import os\n\n\ndef list_files(path):\n"):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        out = spec_generate(drafter, target, ids, max_new_tokens=48, verify=verify, tree_nodes=15)
+        assert torch.equal(out.sequences, ar_generate(target, ids, max_new_tokens=48).sequences)
+        lengths += out.acceptance_lengths
+    assert sum(lengths) / len(lengths) > 2.0
+
+
+def test_head_copy_in_another_dtype_follows_the_head():
+    from dflash2 import TargetAdapter
+
+    target = copy.deepcopy(tiny_target("qwen3"))  # its head is changed below; the shared one must not be
+    adapter = TargetAdapter(target)
+    head = target.get_output_embeddings()
+    h = torch.randn(3, head.weight.shape[1], dtype=torch.float64)
+    assert torch.equal(adapter.lm_logits(h), head(h))  # same dtype: the head itself
+    low = adapter.lm_logits(h.float())
+    assert low.dtype == torch.float32 and torch.allclose(low.double(), head(h), atol=1e-5)
+    with torch.no_grad():
+        head.weight.mul_(2.0)  # a changed head is cast again
+    assert torch.allclose(adapter.lm_logits(h.float()).double(), head(h), atol=1e-5)
