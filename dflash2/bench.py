@@ -19,6 +19,11 @@ to `out`. Methods:
                      proposes only the first n positions (drafter config `draft_len`), so the target
                      verifies n + 1 tokens per row instead of B
 
+With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
+bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
+the committed tokens are the same; a half-precision drafter only moves fewer bytes (fast on CPUs with
+native bfloat16, such as AVX512-BF16; slow without it).
+
 Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
 back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also
 serve the whole prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with
@@ -51,6 +56,8 @@ from .prompt_sets import load_prompts
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # of drafter method names
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
                "dflash2_argmax", "dflash2_tree")
 
@@ -71,6 +78,9 @@ class BenchConfig:
     tree_nodes: list[int] = field(default_factory=lambda: [32])
     draft_lens: list[int] = field(default_factory=list)  # extra dflash2_walk_L<n> rows
     concurrency: list[int] = field(default_factory=lambda: [1])
+    # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target
+    # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.
+    drafter_dtypes: list[str] = field(default_factory=lambda: ["float32"])
     repetitions: int = 3
     seed: int = 0
     out: str = "docs/results/bench"
@@ -87,6 +97,9 @@ class BenchConfig:
             raise ValueError(f"concurrency must be positive integers, got {self.concurrency}")
         if any(not isinstance(m, int) or m < 1 for m in self.tree_nodes):
             raise ValueError(f"tree_nodes must be positive integers, got {self.tree_nodes}")
+        bad = [d for d in self.drafter_dtypes if d not in DTYPES]
+        if bad or not self.drafter_dtypes or len(set(self.drafter_dtypes)) != len(self.drafter_dtypes):
+            raise ValueError(f"drafter_dtypes must be distinct names among {list(DTYPES)}, got {self.drafter_dtypes}")
         if any(not isinstance(n, int) or n < 1 for n in self.draft_lens):
             raise ValueError(f"draft_lens must be positive integers, got {self.draft_lens}")
 
@@ -173,23 +186,36 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
                                     "hf_prompt_lookup": hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods["hf_assisted"] = hf(assistant_model=ar_draft)
-    if "dflash1" in drafters:
-        methods["dflash1"] = ours(drafters["dflash1"].with_config(block_size=block))
-    if "dflash2" in drafters:
-        walk = drafters["dflash2"].with_config(block_size=block)
-        methods["dflash2_walk"] = ours(walk)
-        methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
-        methods["dflash2_argmax"] = ours(walk.with_config(selector="argmax"))
-        for m in cfg.tree_nodes:
-            methods[f"dflash2_tree{m}"] = ours(walk, verify="tree", tree_nodes=m)
-        for n in cfg.draft_lens:
-            methods[f"dflash2_walk_L{n}"] = ours(walk.with_config(draft_len=n))
+    for suffix, ds in _in_dtypes(cfg, drafters, block):
+        if "dflash1" in ds:
+            methods["dflash1" + suffix] = ours(ds["dflash1"])
+        if "dflash2" in ds:
+            walk = ds["dflash2"]
+            methods["dflash2_walk" + suffix] = ours(walk)
+            methods["dflash2_viterbi" + suffix] = ours(walk.with_config(selector="viterbi"))
+            methods["dflash2_argmax" + suffix] = ours(walk.with_config(selector="argmax"))
+            for m in cfg.tree_nodes:
+                methods[f"dflash2_tree{m}{suffix}"] = ours(walk, verify="tree", tree_nodes=m)
+            for n in cfg.draft_lens:
+                methods[f"dflash2_walk_L{n}{suffix}"] = ours(walk.with_config(draft_len=n))
     return _selected(cfg, methods)
+
+
+def drafter_dtype(method: str) -> str:
+    """The drafter dtype a method name says (its suffix; no suffix: float32)."""
+    return next((dtype for dtype, suffix in DTYPE_SUFFIX.items() if suffix and method.endswith(suffix)), "float32")
+
+
+def _in_dtypes(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int):
+    """(method-name suffix, the drafters at block size `block` in that dtype) for each of cfg.drafter_dtypes."""
+    for name in cfg.drafter_dtypes:
+        yield DTYPE_SUFFIX[name], {k: d.with_config(block_size=block).to(DTYPES[name]) for k, d in drafters.items()}
 
 
 def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
     """The methods cfg.methods names; dflash2_tree<M> and dflash2_walk_L<n> come with their family."""
     def wanted(name: str) -> bool:
+        name = name.removesuffix(DTYPE_SUFFIX[drafter_dtype(name)])
         return (name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)
                 or (name.startswith("dflash2_walk_L") and "dflash2_walk" in cfg.methods))
     return {name: fn for name, fn in methods.items() if wanted(name)}
@@ -214,14 +240,15 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         return run
 
     methods: dict[str, Callable] = {"ar": ours(None)}
-    if "dflash1" in drafters:
-        methods["dflash1"] = ours(drafters["dflash1"].with_config(block_size=block))
-    if "dflash2" in drafters:
-        walk = drafters["dflash2"].with_config(block_size=block)
-        methods["dflash2_walk"] = ours(walk)
-        methods["dflash2_viterbi"] = ours(walk.with_config(selector="viterbi"))
-        for n in cfg.draft_lens:
-            methods[f"dflash2_walk_L{n}"] = ours(walk.with_config(draft_len=n))
+    for suffix, ds in _in_dtypes(cfg, drafters, block):
+        if "dflash1" in ds:
+            methods["dflash1" + suffix] = ours(ds["dflash1"])
+        if "dflash2" in ds:
+            walk = ds["dflash2"]
+            methods["dflash2_walk" + suffix] = ours(walk)
+            methods["dflash2_viterbi" + suffix] = ours(walk.with_config(selector="viterbi"))
+            for n in cfg.draft_lens:
+                methods[f"dflash2_walk_L{n}{suffix}"] = ours(walk.with_config(draft_len=n))
     return _selected(cfg, methods)
 
 
@@ -292,10 +319,13 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
             row["per_round_ms"] = {k: 1e3 * sum(b[k] for b in parts) / rounds for k in ("draft", "verify", "other")}
             row["prefill_ms"] = 1e3 * sum(b["prefill"] for b in parts) / len(parts)
         rows.append(row)
-    top1 = next((r["tau"] for r in rows if r["method"] == "dflash2_argmax"), None)
     for r in rows:
-        if top1 is not None and r["method"] in ("dflash2_walk", "dflash2_viterbi"):
-            r["tau_gap_vs_top1"] = r["tau"] - top1
+        if r["method"].startswith("dflash"):
+            r["drafter_dtype"] = drafter_dtype(r["method"])
+            suffix = DTYPE_SUFFIX[r["drafter_dtype"]]
+            top1 = next((x["tau"] for x in rows if x["method"] == "dflash2_argmax" + suffix), None)
+            if top1 is not None and r["method"] in ("dflash2_walk" + suffix, "dflash2_viterbi" + suffix):
+                r["tau_gap_vs_top1"] = r["tau"] - top1
     return rows
 
 

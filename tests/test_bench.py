@@ -38,3 +38,17 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
 def test_bad_bench_config_exits_2(capsys):
     assert main(["--quick", "methods=[warp_drive]"]) == 2
     assert "unknown methods" in capsys.readouterr().err
+
+
+def test_drafter_dtypes_add_suffixed_rows(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}", "drafter_dtypes=[float32,bfloat16]", "datasets=[humaneval]",
+                 "methods=[ar,dflash2_walk,dflash2_argmax]", "concurrency=[1]"]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert {r["method"] for r in rows} == {"ar", "dflash2_walk", "dflash2_argmax", "dflash2_walk_bf16",
+                                           "dflash2_argmax_bf16"}
+    by = {r["method"]: r for r in rows}
+    assert "drafter_dtype" not in by["ar"]
+    assert by["dflash2_walk"]["drafter_dtype"] == "float32" and by["dflash2_walk_bf16"]["drafter_dtype"] == "bfloat16"
+    assert by["dflash2_walk_bf16"]["tau_gap_vs_top1"] == by["dflash2_walk_bf16"]["tau"] - by["dflash2_argmax_bf16"]["tau"]
+    assert main(["--quick", f"out={out}", "drafter_dtypes=[float8]"]) == 2
