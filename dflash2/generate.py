@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --chat: enable_thinking for templates that support it (Qwen3-style)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+    p.add_argument("--drafter-dtype", choices=sorted(DTYPES), default=None,
+                   help="run the drafter in this dtype (the target keeps --dtype: the output is the same), "
+                        "e.g. bfloat16 on CPUs with native bfloat16")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
     return p
 
@@ -105,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
         encode, decode, target, drafter = random_demo_pair(args, dtype or torch.float32)
     if args.block_size is not None:
         drafter = drafter.with_config(block_size=args.block_size)
+    if args.drafter_dtype:
+        drafter = drafter.to(DTYPES[args.drafter_dtype])
     prompt_ids = encode(args.prompt).to(args.device)
 
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())

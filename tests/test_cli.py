@@ -30,6 +30,12 @@ def test_demo_tree_verification_matches_ar():
     assert "greedy outputs identical: yes" in out.stdout
 
 
+def test_demo_with_a_bfloat16_drafter_matches_ar():
+    out = run_cli("--max-new-tokens", "16", "--drafter-dtype", "bfloat16", "--compare-ar")
+    assert out.returncode == 0, out.stderr
+    assert "greedy outputs identical: yes" in out.stdout
+
+
 def test_demo_sampling_with_config_and_block_size():
     out = run_cli("--config", "configs/dflash1.yaml", "--block-size", "4", "--max-new-tokens", "8",
                   "--temperature", "0.9", "--top-k", "20", "--top-p", "0.9", "--color", "never")
