@@ -210,7 +210,8 @@ class TargetAdapter:
             layer.values = layer.values.index_select(-2, slots.to(layer.values.device))
 
     def keep(self, cache: DynamicCache, step: TargetStep, rows: list[int]) -> None:
-        """Keep, of the tokens `step` added, those at `rows` (ascending: the anchor and a path)."""
+        """Keep, of the tokens `step` added, those at `rows` (ascending: the anchor and a path): their
+        entries move down in place to follow the cached prefix, and the cache is cropped after them."""
         if rows == list(range(len(rows))):
             self.rollback(cache, step, len(rows))
             return
@@ -260,6 +261,8 @@ class TargetAdapter:
         head = self.model.get_output_embeddings()
         if hidden.dtype == head.weight.dtype:
             return head(hidden)
+        if not isinstance(head, nn.Linear):  # a head with its own forward: run it in its dtype
+            return head(hidden.to(head.weight.dtype)).to(hidden.dtype)
         weight, bias = self._head_in(hidden.dtype)
         return F.linear(hidden, weight, bias)
 
