@@ -143,7 +143,10 @@ def main() -> int:
         lines += ["## Speed: the headline row (batch 1, greedy, B = 16, HumanEval)", "",
                   "Written by `python -m dflash2.bench --config configs/bench/headline.yaml` "
                   "(docs/results/bench_headline/: JSON with per-round time breakdown, plot). Methods run interleaved; "
-                  "speedup is the median of per-prompt ratios to AR measured back to back.", "",
+                  "speedup is the median of per-prompt ratios to AR measured back to back. `dflash2_tree15` has the "
+                  "target check a 15-node token tree from the DFlash-2 lattice in one pass of 16 tokens (as many as "
+                  "a path over the whole block). Rows ending in `_bf16` run the same drafters in bfloat16 while the "
+                  "target stays float32, so the output is the same (native bfloat16 on this CPU).", "",
                   bench.read_text(), ""]
         bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
         lines += ["Time per round (ms; drafter + selector = draft):", "",
@@ -172,7 +175,10 @@ def main() -> int:
                             "engine). tokens/s is the set's total over its wall time, prefills included; speedup is "
                             "against batched AR at the same concurrency, measured back to back. `dflash2_walk_L<n>` "
                             "runs the same drafter's whole block but proposes only its first n positions (drafter "
-                            "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16.")
+                            "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. Rows ending in "
+                            "`_bf16` run bfloat16 drafters: they pay at one row and cost at 8 and 32, most likely because "
+                            "the batched drafter's shapes vary from round to round and oneDNN rebuilds a bfloat16 "
+                            "matmul for each new shape (measured for one linear: 108 µs against 25 µs).")
     lines += _ablation_section() + _profile_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
