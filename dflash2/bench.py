@@ -186,18 +186,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
                                     "hf_prompt_lookup": hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods["hf_assisted"] = hf(assistant_model=ar_draft)
-    for suffix, ds in _in_dtypes(cfg, drafters, block):
-        if "dflash1" in ds:
-            methods["dflash1" + suffix] = ours(ds["dflash1"])
-        if "dflash2" in ds:
-            walk = ds["dflash2"]
-            methods["dflash2_walk" + suffix] = ours(walk)
-            methods["dflash2_viterbi" + suffix] = ours(walk.with_config(selector="viterbi"))
-            methods["dflash2_argmax" + suffix] = ours(walk.with_config(selector="argmax"))
-            for m in cfg.tree_nodes:
-                methods[f"dflash2_tree{m}{suffix}"] = ours(walk, verify="tree", tree_nodes=m)
-            for n in cfg.draft_lens:
-                methods[f"dflash2_walk_L{n}{suffix}"] = ours(walk.with_config(draft_len=n))
+    for name, drafter, verify in _drafter_variants(cfg, drafters, block):
+        methods[name] = ours(drafter, **verify)
     return _selected(cfg, methods)
 
 
@@ -206,10 +196,23 @@ def drafter_dtype(method: str) -> str:
     return next((dtype for dtype, suffix in DTYPE_SUFFIX.items() if suffix and method.endswith(suffix)), "float32")
 
 
-def _in_dtypes(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int):
-    """(method-name suffix, the drafters at block size `block` in that dtype) for each of cfg.drafter_dtypes."""
-    for name in cfg.drafter_dtypes:
-        yield DTYPE_SUFFIX[name], {k: d.with_config(block_size=block).to(DTYPES[name]) for k, d in drafters.items()}
+def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int):
+    """(method name, drafter at block size `block`, spec_generate's verify arguments) of every drafter
+    method, in each of cfg.drafter_dtypes."""
+    for dtype in cfg.drafter_dtypes:
+        suffix = DTYPE_SUFFIX[dtype]
+        ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
+        if "dflash1" in ds:
+            yield "dflash1" + suffix, ds["dflash1"], {}
+        if "dflash2" in ds:
+            walk = ds["dflash2"]
+            yield "dflash2_walk" + suffix, walk, {}
+            yield "dflash2_viterbi" + suffix, walk.with_config(selector="viterbi"), {}
+            yield "dflash2_argmax" + suffix, walk.with_config(selector="argmax"), {}
+            for m in cfg.tree_nodes:
+                yield f"dflash2_tree{m}{suffix}", walk, dict(verify="tree", tree_nodes=m)
+            for n in cfg.draft_lens:
+                yield f"dflash2_walk_L{n}{suffix}", walk.with_config(draft_len=n), {}
 
 
 def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
@@ -240,15 +243,9 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         return run
 
     methods: dict[str, Callable] = {"ar": ours(None)}
-    for suffix, ds in _in_dtypes(cfg, drafters, block):
-        if "dflash1" in ds:
-            methods["dflash1" + suffix] = ours(ds["dflash1"])
-        if "dflash2" in ds:
-            walk = ds["dflash2"]
-            methods["dflash2_walk" + suffix] = ours(walk)
-            methods["dflash2_viterbi" + suffix] = ours(walk.with_config(selector="viterbi"))
-            for n in cfg.draft_lens:
-                methods[f"dflash2_walk_L{n}{suffix}"] = ours(walk.with_config(draft_len=n))
+    for name, drafter, verify in _drafter_variants(cfg, drafters, block):
+        if not verify and not name.startswith("dflash2_argmax"):  # batches verify paths; no selector ablation
+            methods[name] = ours(drafter)
     return _selected(cfg, methods)
 
 
