@@ -58,17 +58,20 @@ class KVInjectionAttention(nn.Module):
         return apply_rope(k, *rope), v
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
         """x [N, T, H] with rope (cos, sin) of its positions; context_k/v [N, kv_heads, C, hd];
-        mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible)."""
+        mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible).
+        rows: queries from the first `rows` positions only (keys and values from all T) → [N, rows, H]."""
         N, T, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(N, T, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, T, hd)
-        q = apply_rope(q, *rope)
+        Q = T if rows is None else rows
+        cos, sin = rope
+        q = self.q_norm(self.q_proj(x[:, :Q]).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, Q, hd)
+        q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :])
         k, v = self.project_kv(x, rope)
         k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
         v = torch.cat([context_v, v], dim=2)
-        out = attention(q, k, v, mask)  # (N, h, T, hd)
-        return self.o_proj(out.transpose(1, 2).reshape(N, T, self.num_heads * self.head_dim))
+        out = attention(q, k, v, None if mask is None else mask[..., :Q, :])  # (N, h, Q, hd)
+        return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
 
 
 class DrafterLayer(nn.Module):
@@ -89,10 +92,11 @@ class DrafterLayer(nn.Module):
         self.mlp_conv = make()
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None) -> Tensor:
-        """x [N, T, H] → [N, T, H]."""
-        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask)
-        x = x + self.attention_conv(self.input_layernorm(x), attend)
+                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
+        """x [N, T, H] → [N, T, H], or [N, rows, H]: the first `rows` positions of a single block
+        (the convolution is causal inside the block, so they need no later position but as keys)."""
+        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask, rows)
+        x = x[:, :rows] + self.attention_conv(self.input_layernorm(x), attend, rows)
         return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp)
 
 
@@ -138,9 +142,10 @@ class BlockDiffusionBackbone(nn.Module):
         positions = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, sizes)])
         rows = torch.cat(features, dim=1)  # [1, Σn, F]
         # A half-precision drafter on CPU: zero rows pad the new positions to a multiple of the block size,
-        # so the projections see a few fixed shapes (a round adds 1..B positions); oneDNN re-creates its
-        # half-precision matmul whenever the shape changes, at 4× the product's own cost. Pad rows are
-        # dropped with the slicing below. Float32 (MKL) has no such cost and is left as is.
+        # so the projections see a few fixed shapes (a round adds 1..B positions): oneDNN sets up its
+        # half-precision matmul again when the shape changes (108 µs against 25 µs per call measured on
+        # 2026-11-30; about 2% of the draft time in the loop on 2026-12-01). Pad rows are dropped with the
+        # slicing below. Float32 (MKL) has no such cost and is left as is.
         half = self.fc.weight.dtype in (torch.bfloat16, torch.float16) and self.fc.weight.device.type == "cpu"
         pad = -rows.shape[1] % self.config.block_size if half else 0
         if pad:
@@ -161,10 +166,17 @@ class BlockDiffusionBackbone(nn.Module):
         return caches
 
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
-                mask: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
         """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
-        [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None."""
+        [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None → [N, T, H].
+
+        rows (a single block, T = block_size): only the first `rows` outputs are wanted → [N, rows, H].
+        Every layer but the last still runs all T positions (their outputs are the last layer's keys
+        and values); the last runs its queries, MLP and convolutions on `rows` positions only."""
         rope = self.rope(positions, x.dtype)
-        for layer, (k, v) in zip(self.layers, context):
-            x = layer(x, rope, k, v, mask)
+        if rows is not None and not 0 < rows <= x.shape[1] == self.config.block_size:
+            raise ValueError(f"rows must be in 1..{self.config.block_size} for a single block, got {rows}")
+        last = len(self.layers) - 1
+        for i, (layer, (k, v)) in enumerate(zip(self.layers, context)):
+            x = layer(x, rope, k, v, mask, rows if i == last else None)
         return self.norm(x)

@@ -4,9 +4,11 @@
         if fewer than `concurrency` rows are in flight: prefill the next waiting prompts (left-padded)
             → each newcomer's first token (its anchor); they join the batch (continuous batching)
         each alive row r drafts L_r tokens (its own drafter cache; one drafter pass for all rows
-        when the drafter has `propose_batch`)
-        one target pass over [R, W = 1 + max L_r]: row r's block sits at its own positions
-        verify each row on its own → row r keeps n_r + 1 of its W new cache slots
+        when the drafter has `propose_batch`), or with verify="tree" a token tree of L_r nodes
+        one target pass over [R, W = 1 + max L_r]: row r's block sits at its own positions (a tree's
+        nodes at the anchor's position + depth, each seeing its ancestors)
+        verify each row on its own → row r keeps n_r + 1 of its W new cache slots (a tree: the
+        anchor and the accepted path's slots, which need not be adjacent)
         rows that hit a stop token or their budget leave the batch (and the cache)
 
 The target cache is one [R, heads, S, head_dim] tensor per layer. Rows keep different numbers of
@@ -25,25 +27,30 @@ import torch
 from torch import Tensor
 
 from .loop import (AutoregressiveDrafter, Drafter, GenerationResult, _adapt, _check_prompt, _check_stops,
-                   _choose, _synchronizer)
+                   _check_verify, _choose, _synchronizer)
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams
 from .target import TargetAdapter, cat_rows_left_padded
-from .verify import commit, verify_block
+from .tree import TokenTree, verify_tree
+from .verify import Verdict, commit, verify_block
 
 
 def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_mask: Tensor | None = None, *,
                         max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         stop_token_ids=None, generator: torch.Generator | None = None,
-                        rng: RandomSource | None = None, concurrency: int | None = None) -> list[GenerationResult]:
+                        rng: RandomSource | None = None, concurrency: int | None = None, verify: str = "path",
+                        tree_nodes: int = 32) -> list[GenerationResult]:
     """Lossless speculative decoding of N left-padded prompts input_ids [N, T] (attention_mask [N, T],
     1 for real tokens; None means no padding). Returns one GenerationResult per row, its sequences
     [1, T_r + n_r] without padding; the timings are those of the whole batch.
 
     concurrency: at most this many rows in flight (None: all N). When a row finishes, the next waiting
-    prompt is prefilled and joins the running batch (continuous batching, as serving engines run)."""
+    prompt is prefilled and joins the running batch (continuous batching, as serving engines run).
+    verify: "path" or "tree" (each row verifies a token tree of at most `tree_nodes` nodes), as in
+    `spec_generate`."""
     params = SamplingParams(temperature, top_k, top_p)
     tgt = _adapt(drafter, target)
+    _check_verify(verify, tree_nodes, drafter, tgt)
     if tgt.hybrid:
         raise ValueError("batched decoding needs an attention-only target: padded and ragged rows would leak into "
                          "linear_attention's recurrent state; decode the rows one at a time with spec_generate")
@@ -94,34 +101,50 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             timings["prefill_s"] += time.perf_counter() - t0
             continue  # admit again if some newcomers finished at once
         args = ([draft_caches[r] for r in alive], [anchors[r] for r in alive], [new_features[r] for r in alive])
-        if callable(getattr(drafter, "propose_batch", None)):  # every row in one drafter pass
-            drafts = drafter.propose_batch(*args, tgt, params.temperature, rng)
-        else:  # each row drafts from its own context, exactly as spec_generate does
-            drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
-        drafts = [d.truncate(min(left(r) - 1, B - 1)) for r, d in zip(alive, drafts)]
+        depths = [min(left(r) - 1, B - 1) for r in alive]
+        if verify == "tree":  # a token tree per row: [anchor, nodes] in one pass, ancestors visible
+            if callable(getattr(drafter, "propose_tree_batch", None)):
+                drafts = drafter.propose_tree_batch(*args, tgt, tree_nodes, depths)
+            else:
+                drafts = [drafter.propose_tree(c, a, f, tgt, tree_nodes, d) for c, a, f, d in zip(*args, depths)]
+            trees = drafts
+        else:  # a path per row: a chain
+            if callable(getattr(drafter, "propose_batch", None)):  # every row in one drafter pass
+                drafts = drafter.propose_batch(*args, tgt, params.temperature, rng)
+            else:  # each row drafts from its own context, exactly as spec_generate does
+                drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
+            drafts = [d.truncate(depth) for d, depth in zip(drafts, depths)]
+            trees = [TokenTree.chain(d.tokens.cpu()) for d in drafts]
         sync()
         t1 = time.perf_counter()
-        W = 1 + max(d.tokens.shape[0] for d in drafts)
+        W = 1 + max(t.tokens.shape[0] for t in trees)
         R, S = len(alive), valid.shape[1]
         block = torch.zeros(R, W, dtype=torch.long)
-        live = torch.zeros(R, W, dtype=torch.bool)  # [R, W] real (not padding) block slots
-        for i, (r, d) in enumerate(zip(alive, drafts)):
-            block[i, : d.tokens.shape[0] + 1] = torch.cat([torch.tensor([anchors[r]]), d.tokens.cpu()])
-            live[i, : d.tokens.shape[0] + 1] = True
-        q_pos = torch.tensor([len(tokens[r]) - 1 for r in alive])[:, None] + torch.arange(W)  # anchor at its position
-        allowed = torch.cat([valid[:, None, :].expand(R, W, S),
-                             live[:, None, :] & torch.ones(W, W, dtype=torch.bool).tril()], dim=2)
+        depth = torch.arange(W).repeat(R, 1)  # [R, W] below the anchor (padding slots: their index)
+        seen = torch.zeros(R, W, W, dtype=torch.bool)  # [R, W, W] the block slots each query sees
+        for i, (r, t) in enumerate(zip(alive, trees)):
+            n = t.tokens.shape[0] + 1
+            block[i, :n] = torch.cat([torch.tensor([anchors[r]]), t.tokens.cpu()])
+            depth[i, :n], seen[i, :n, :n] = t.block()
+        q_pos = torch.tensor([len(tokens[r]) - 1 for r in alive])[:, None] + depth  # anchor at its position
+        allowed = torch.cat([valid[:, None, :].expand(R, W, S), seen], dim=2)  # padding queries see the context only
         step = tgt.forward_masked(block, q_pos, torch.cat([pos, q_pos], dim=1), allowed, cache)  # [R, W, V]
         kept = torch.zeros(R, W, dtype=torch.bool)
-        for i, (r, d) in enumerate(zip(alive, drafts)):
-            L = d.tokens.shape[0]
-            verdict = verify_block(d, step.logits[i, : L + 1], params, rng)
-            committed, stopped = commit(d.tokens.tolist(), verdict, left(r), stops)
+        for i, (r, d, t) in enumerate(zip(alive, drafts, trees)):
+            logits = step.logits[i, : t.tokens.shape[0] + 1]
+            if verify == "tree":
+                found = verify_tree(t, logits, params, rng)
+                drafted, verdict = t.tokens[found.path].tolist(), Verdict(len(found.path), found.next_token)
+                rows = [0, *(node + 1 for node in found.path)]  # the anchor and the accepted path
+            else:
+                verdict = verify_block(d, logits, params, rng)
+                drafted, rows = d.tokens.tolist(), list(range(verdict.num_accepted + 1))
+            committed, stopped = commit(drafted, verdict, left(r), stops)
             tokens[r] += committed
             lengths[r].append(len(committed))
-            kept[i, : verdict.num_accepted + 1] = True  # the anchor and the accepted drafts
+            kept[i, rows] = True
             anchors[r] = committed[-1]
-            new_features[r] = None if step.features is None else step.features[i: i + 1, : verdict.num_accepted + 1]
+            new_features[r] = None if step.features is None else step.features[i: i + 1, rows]
             if stopped:
                 finish[r] = "stop"
         valid, pos = torch.cat([valid, kept], dim=1), torch.cat([pos, q_pos], dim=1)

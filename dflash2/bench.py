@@ -228,13 +228,13 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        stops: list[int], concurrency: int) -> dict[str, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    def ours(drafter):
+    def ours(drafter, **verify):
         def run(batch, setting, seed):
             g = torch.Generator().manual_seed(seed)
             kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
                       **setting)
             outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
-                spec_generate_batch(drafter, target, *batch, **kw)
+                spec_generate_batch(drafter, target, *batch, **kw, **verify)
             o = outs[0]  # timings are the batch's
             rounds = [n for r in outs for n in r.acceptance_lengths]
             other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
@@ -244,8 +244,8 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
 
     methods: dict[str, Callable] = {"ar": ours(None)}
     for name, drafter, verify in _drafter_variants(cfg, drafters, block):
-        if not verify and not name.startswith("dflash2_argmax"):  # batches verify paths; no selector ablation
-            methods[name] = ours(drafter)
+        if not name.startswith("dflash2_argmax"):  # no selector ablation in batches
+            methods[name] = ours(drafter, **verify)
     return _selected(cfg, methods)
 
 

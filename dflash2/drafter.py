@@ -187,10 +187,49 @@ class DFlash2Drafter(nn.Module):
         """Row r as `propose(caches[r], anchors[r], new_features[r], ...)`, every row in one backbone
         pass: the rows' context K/V are left-padded to the longest and the padding is masked."""
         self.backbone.extend_contexts(caches, new_features)
+        if self.config.block_size == 1:
+            return [Draft(torch.zeros(0, dtype=torch.long, device=f.device)) for f in new_features]
+        hidden, cands = self._candidates_batch(caches, anchors, target, self.config.num_draft_positions)
+        selector = self.candidate_selector
+        if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
+            return selector.select_batch(cands, hidden, anchors)
+        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
+                for r in range(len(caches))]
+
+    @torch.no_grad()
+    def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
+                     max_nodes: int, max_depth: int) -> TokenTree:
+        """Like `propose`, but returns the `max_nodes` most probable nodes of the B×K lattice (depth
+        <= max_depth) as a token tree for `verify="tree"`. Deterministic at every temperature: the
+        tree verifier's one-decision-per-node rule handles sampling."""
+        self.backbone.extend_context(cache, new_features)
+        L = min(self.config.num_draft_positions, max_depth, max_nodes)  # M nodes reach depth M at most
+        if L <= 0:
+            return TokenTree.empty(new_features.device)
+        hidden, cands = self._candidates(cache, anchor, target, L)
+        return best_first_tree(cands.ids, *self._lattice(cands, hidden, anchor), max_nodes)
+
+    @torch.no_grad()
+    def propose_tree_batch(self, caches: list[ContextCache], anchors: list[int], new_features: list[Tensor],
+                           target: TargetAdapter, max_nodes: int, max_depths: list[int]) -> list[TokenTree]:
+        """Row r as `propose_tree(caches[r], anchors[r], new_features[r], target, max_nodes,
+        max_depths[r])`, every row in one backbone pass (as `propose_batch`)."""
+        self.backbone.extend_contexts(caches, new_features)
+        depths = [min(self.config.num_draft_positions, d, max_nodes) for d in max_depths]  # M nodes: depth <= M
+        L = max(depths)
+        if L <= 0:
+            return [TokenTree.empty(f.device) for f in new_features]
+        hidden, cands = self._candidates_batch(caches, anchors, target, L)  # [R, L, H], [R, L, K]
+        first, steps = self._lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
+        return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
+                else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
+
+    def _candidates_batch(self, caches: list[ContextCache], anchors: list[int], target: TargetAdapter,
+                          L: int) -> tuple[Tensor, Candidates]:
+        """The first L draft positions of every row's block: hidden [R, L, H], candidates [R, L, K].
+        The rows' context K/V are left-padded to the longest and the padding is masked."""
         R, B = len(caches), self.config.block_size
         device = caches[0].keys[0].device
-        if B == 1:
-            return [Draft(torch.zeros(0, dtype=torch.long, device=device)) for _ in range(R)]
         sizes = [c.keys[0].shape[2] for c in caches]
         C = max(sizes)
         pad = lambda t: torch.nn.functional.pad(t, (0, 0, C - t.shape[2], 0))  # noqa: E731  [1, kv, C, hd]
@@ -201,36 +240,20 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((R, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)
         positions = torch.tensor([c.length for c in caches], device=device)[:, None] + torch.arange(B, device=device)
-        L = self.config.num_draft_positions
-        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None])[:, 1: L + 1]  # [R, L, H]
-        cands = self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
-        selector = self.candidate_selector
-        if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
-            return selector.select_batch(cands, hidden, anchors)
-        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
-                for r in range(R)]
+        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None], rows=L + 1)[:, 1:]  # [R, L, H]
+        return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
 
-    @torch.no_grad()
-    def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
-                     max_nodes: int, max_depth: int) -> TokenTree:
-        """Like `propose`, but returns the `max_nodes` most probable nodes of the B×K lattice (depth
-        <= max_depth) as a token tree for `verify="tree"`. Deterministic at every temperature: the
-        tree verifier's one-decision-per-node rule handles sampling."""
-        self.backbone.extend_context(cache, new_features)
-        L = min(self.config.num_draft_positions, max_depth)
-        if L <= 0 or max_nodes <= 0:
-            return TokenTree.empty(new_features.device)
-        hidden, cands = self._candidates(cache, anchor, target, L)
+    def _lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
+        """Scores of the B×K lattice: first [..., K] from the anchor, steps [..., L-1, K, K] (the
+        selector's, or for argmax (DFlash-1) the unary scores alone)."""
         if isinstance(self.candidate_selector, CodebookSelector):
-            first, steps = self.candidate_selector.lattice(cands, hidden, anchor)  # [K], [L-1, K, K]
-        else:  # argmax (DFlash-1): the unary scores alone
-            K = cands.ids.shape[1]
-            first, steps = cands.scores[0], cands.scores[1:, None, :].expand(-1, K, K)
-        return best_first_tree(cands.ids, first, steps, max_nodes)
+            return self.candidate_selector.lattice(cands, hidden, anchor)
+        K = cands.ids.shape[-1]
+        return cands.scores[..., 0, :], cands.scores[..., 1:, None, :].expand(*cands.scores.shape[:-2], -1, K, K)
 
     def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""
-        hidden = self.block_hidden(cache, anchor, target)[0, 1: L + 1]  # [L, H]
+        hidden = self.block_hidden(cache, anchor, target, rows=L + 1)[0, 1:]  # [L, H]
         return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [L, K]
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
@@ -248,14 +271,15 @@ class DFlash2Drafter(nn.Module):
         cap = self.config.final_logit_softcapping
         return logits if cap is None else cap * torch.tanh(logits / cap)
 
-    def block_hidden(self, cache: ContextCache, anchor: int, target: TargetAdapter) -> Tensor:
-        """Hidden states [1, B, H] of the block [anchor, MASK, ...] at positions cache.length.."""
+    def block_hidden(self, cache: ContextCache, anchor: int, target: TargetAdapter, rows: int | None = None) -> Tensor:
+        """Hidden states [1, B, H] of the block [anchor, MASK, ...] at positions cache.length.., or of
+        its first `rows` positions only ([1, rows, H]; the same values, less work)."""
         B, device = self.config.block_size, cache.keys[0].device
         ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
         positions = torch.arange(cache.length, cache.length + B, device=device)
         x = self.embed_block(ids, target)  # [1, B, H]
-        return self.backbone(x, positions, list(zip(cache.keys, cache.values)))
+        return self.backbone(x, positions, list(zip(cache.keys, cache.values)), rows=rows)
 
 
 def _rope_theta(config) -> float:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from .config import DFlash2Config
 from .heads import Candidates
+from .layers import as_rows
 from .rng import RandomSource
 from .verify import Draft
 
@@ -55,7 +56,8 @@ class CodebookSelector(nn.Module):
     def edge_scores(self, prev: Tensor, hidden: Tensor, cand: Tensor) -> Tensor:
         """Pairwise term: prev [..., P] ids, hidden [..., H], cand [..., K] ids → [..., P, K]."""
         dtype = torch.promote_types(hidden.dtype, torch.float32)  # tiny products: half precision only loses
-        a = self.predecessor_codebook[prev].to(dtype) * self.hidden_projection(hidden).to(dtype).unsqueeze(-2)  # [..., P, r]
+        projected = self.hidden_projection(as_rows(hidden)).view(*hidden.shape[:-1], self.hidden_projection.out_features)
+        a = self.predecessor_codebook[prev].to(dtype) * projected.to(dtype).unsqueeze(-2)  # [..., P, r]
         return a @ self.successor_codebook[cand].to(dtype).transpose(-1, -2)  # [..., P, K]
 
     def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from .layers import as_rows
 from .tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
@@ -149,12 +150,8 @@ class TargetAdapter:
         start = cache.get_seq_length()
         M = tree.tokens.shape[0]
         ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()])[None]  # [1, M+1]
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depths() if M else tree.tokens.cpu()])
+        depth, visible = tree.block()  # [M+1], [M+1, M+1]
         q_pos = (start + depth)[None]  # [1, M+1]
-        visible = torch.eye(M + 1, dtype=torch.bool)
-        visible[:, 0] = True  # every node sees the anchor
-        if M:
-            visible[1:, 1:] = tree.ancestor_mask()
         allowed = torch.cat([torch.ones(M + 1, start, dtype=torch.bool), visible], dim=1)[None]  # [1, M+1, start+M+1]
         k_pos = torch.cat([torch.arange(start)[None], q_pos], dim=1)
         return self.forward_masked(ids, q_pos, k_pos, allowed, cache)
@@ -259,12 +256,14 @@ class TargetAdapter:
         target: the draft never changes what is committed, only how often it is accepted). Its
         hidden states then go through a copy of the head in their dtype, cast once and kept."""
         head = self.model.get_output_embeddings()
+        flat = as_rows(hidden)  # [n, H]
         if hidden.dtype == head.weight.dtype:
-            return head(hidden)
-        if not isinstance(head, nn.Linear):  # a head with its own forward: run it in its dtype
-            return head(hidden.to(head.weight.dtype)).to(hidden.dtype)
-        weight, bias = self._head_in(hidden.dtype)
-        return F.linear(hidden, weight, bias)
+            logits = head(flat)
+        elif not isinstance(head, nn.Linear):  # a head with its own forward: run it in its dtype
+            logits = head(flat.to(head.weight.dtype)).to(hidden.dtype)
+        else:
+            logits = F.linear(flat, *self._head_in(hidden.dtype))
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def _head_in(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
         """The LM head's weight and bias cast to `dtype`, recast only when the head changes."""

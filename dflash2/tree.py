@@ -52,6 +52,22 @@ class TokenTree(NamedTuple):
                     parents.append(index[key[:-1]] if depth else -1)
         return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
+    @staticmethod
+    def chain(tokens: Tensor) -> "TokenTree":
+        """A path [M] as a tree: each token the only child of the one before."""
+        return TokenTree(tokens, torch.arange(-1, tokens.shape[0] - 1, device=tokens.device))
+
+    def block(self) -> tuple[Tensor, Tensor]:
+        """The pass over [anchor, nodes]: depth [M+1] (0 for the anchor; positions are the anchor's
+        plus depth) and visible [M+1, M+1] bool (row i sees the anchor, itself and its ancestors)."""
+        M = len(self.tokens)
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), self.depths() if M else self.tokens.cpu()])
+        visible = torch.eye(M + 1, dtype=torch.bool)
+        visible[:, 0] = True  # every node sees the anchor
+        if M:
+            visible[1:, 1:] = self.ancestor_mask()
+        return depth, visible
+
     def children(self, node: int) -> list[int]:
         """Node indices under `node` (-1 for the anchor), in try order."""
         return [i for i, p in enumerate(self.parents.tolist()) if p == node]

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from dflash2 import (DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, process_logits,
                      spec_generate_batch)
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
-                           hf_greedy, max_abs_diff, tiny_target)
+                           hf_greedy, max_abs_diff, oracle_tree_drafter, tiny_target)
 
 
 class RowOracle:
@@ -224,3 +224,117 @@ def test_propose_batch_equals_propose_per_row(selector):
             assert a.tokens.tolist() == b.tokens.tolist(), (selector, temperature, r)
             if a.q_probs is not None:
                 assert torch.allclose(a.q_probs, b.q_probs, atol=1e-10)
+
+
+# -- token trees in a batch ------------------------------------------------------------------------------
+class RowTreeOracle:
+    """Per row, `oracle_tree_drafter` over that row's greedy continuation (nested branches that fail
+    at different depths; a different corruption period per row, so rows accept different lengths)."""
+
+    def __init__(self, block_size: int, references: list[list[int]], seed: int) -> None:
+        self.block_size, self.target_layer_ids = block_size, (0,)
+        self.rows = [oracle_tree_drafter(block_size, ref, width=3, corrupt_every=3 + r, seed=seed + r)
+                     for r, ref in enumerate(references)]
+        self._admitted = 0
+
+    def new_cache(self) -> dict:  # called once per row, in row order
+        self._admitted += 1
+        return {"row": self._admitted - 1, "inner": self.rows[self._admitted - 1].new_cache()}
+
+    def propose(self, cache, *args) -> Draft:
+        return self.rows[cache["row"]].propose(cache["inner"], *args)
+
+    def propose_tree(self, cache, *args):
+        return self.rows[cache["row"]].propose_tree(cache["inner"], *args)
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+@settings(max_examples=10, deadline=None)
+@given(prompts=st.lists(st.lists(st.integers(0, VOCAB - 2), min_size=1, max_size=9), min_size=1, max_size=4),
+       block_size=st.integers(1, 8), budget=st.integers(0, 16), tree_nodes=st.integers(1, 20),
+       kind=st.sampled_from(["oracle_tree", "walk", "argmax"]), concurrency=st.none() | st.integers(1, 3),
+       data=st.data())
+def test_batched_tree_greedy_equals_each_row_alone(arch, prompts, block_size, budget, tree_nodes, kind, concurrency,
+                                                   data):
+    """verify="tree" in a batch: every row's tree sits at its own positions with its own ancestor mask,
+    keeps the anchor and its accepted path (slots that need not be adjacent), and equals HF greedy."""
+    target = tiny_target(arch)
+    refs = [hf_greedy(target, p, max(budget, 1)) for p in prompts]
+    stop = data.draw(st.none() | st.sampled_from(refs[0][len(prompts[0]):]), label="stop token")
+    stops = [stop] if stop is not None else None
+    expected = [hf_greedy(target, p, budget, stops) if budget > 0 else p for p in prompts]
+    if kind == "oracle_tree":
+        drafter = RowTreeOracle(block_size, refs, seed=budget)
+    else:
+        torch.manual_seed(block_size)
+        drafter = DFlash2Drafter.from_target(target, block_size=block_size, selector=kind, selector_top_k=3,
+                                             selector_rank=8, mask_token_id=VOCAB - 1, num_layers=1)
+    results = spec_generate_batch(drafter, target, *left_pad(prompts), max_new_tokens=budget, stop_token_ids=stops,
+                                  concurrency=concurrency, verify="tree", tree_nodes=tree_nodes)
+    assert [r.sequences[0].tolist() for r in results] == expected
+    for r in results:
+        assert all(1 <= n <= block_size for n in r.acceptance_lengths)
+        if budget > 0:
+            assert r.new_tokens.numel() == 1 + sum(r.acceptance_lengths)
+
+
+def test_batched_trees_accept_past_their_first_path():
+    """The batch really verifies trees: with branches that break at different depths, each row
+    commits more per round than its first path alone would (and the output is still HF greedy)."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 9, 2, 7], [1], [3, 3, 3, 3, 3, 3, 8]]
+    refs = [hf_greedy(target, p, 40) for p in prompts]
+    tree = spec_generate_batch(RowTreeOracle(8, refs, seed=0), target, *left_pad(prompts), max_new_tokens=40,
+                               verify="tree", tree_nodes=64)
+    path = spec_generate_batch(RowTreeOracle(8, refs, seed=0), target, *left_pad(prompts), max_new_tokens=40)
+    assert [r.sequences[0].tolist() for r in tree] == [r.sequences[0].tolist() for r in path] == refs
+    for t, p in zip(tree, path):
+        assert t.tau > p.tau, (t.tau, p.tau)
+
+
+@pytest.mark.parametrize("selector,params", [("walk", SamplingParams(0.8, top_k=2)), ("argmax", SamplingParams(1.0))],
+                         ids=["walk_T0.8_topk2", "argmax_T1"])
+def test_batched_tree_sampling_is_exact_per_row(selector, params):
+    """Each row walks its own tree with one decision per node (and the residual rule), so a 2-row
+    batch's joint distribution, enumerated over every random branch, is the product of AR's."""
+    drafter, lengths = small_drafter(selector), set()
+
+    def program(rng):
+        results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
+                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
+                                      verify="tree", tree_nodes=3)
+        for r in results:
+            lengths.update(r.acceptance_lengths)
+        return tuple(tuple(r.new_tokens.tolist()) for r in results)
+
+    got, branches = enumerate_outcomes(program)
+    rows = [exact_ar_distribution(small_target(), p, N_NEW, lambda logits: process_logits(logits, params))
+            for p in PROMPTS]
+    expected = {(a, b): pa * pb for a, pa in rows[0].items() for b, pb in rows[1].items()}
+    print(f"batch-tree-{selector} T{params.temperature}/k{params.top_k}: {branches} branches, "
+          f"acceptance lengths {sorted(lengths)}")
+    assert max(lengths) > 1
+    assert max_abs_diff(got, expected) < 1e-12
+
+
+@pytest.mark.parametrize("selector", ["argmax", "walk"])
+def test_propose_tree_batch_equals_propose_tree_per_row(selector):
+    """The drafter's batched tree pass builds, per row, the tree that row builds alone, down to each
+    row's own depth limit."""
+    from dflash2.drafter import DFlash2Drafter
+
+    target = tiny_target("llama")
+    torch.manual_seed(5)
+    d = DFlash2Drafter.from_target(target, block_size=6, selector=selector, selector_top_k=3, selector_rank=8,
+                                   mask_token_id=VOCAB - 1, num_layers=2)
+    if selector != "argmax":
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    prompts = [[5, 9, 2, 7, 1, 1, 3, 4, 8, 2], [1], [3, 3, 8]]
+    feats = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in prompts]
+    depths = [5, 2, 0]
+    alone = [d.propose_tree(d.new_cache(), 4, f, adapter, 7, depth) for f, depth in zip(feats, depths)]
+    batch = d.propose_tree_batch([d.new_cache() for _ in feats], [4] * 3, feats, adapter, 7, depths)
+    for a, b in zip(alone, batch):
+        assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
+    assert len(batch[0].tokens) == 7 and len(batch[2].tokens) == 0 and int(batch[1].depths().max()) <= 2

@@ -176,6 +176,55 @@ def test_sampled_walk_returns_the_q_it_sampled_from():
         assert not selector_drafter(kind).candidate_selector(cands, hidden, 3, 0.8, TorchRandom()).stochastic
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_sliced_hidden_states_score_like_their_rows(rows):
+    """lm_logits and the selector's edge scores take [..., H] slices of a block (hidden[:, 1:L+1], whose
+    strides are the block's) as plain 2-d rows, because oneDNN's half-precision matmul is many times
+    slower on such 3-d inputs: shapes and values must be those of each row scored on its own."""
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target)
+    drafter = DFlash2Drafter.from_target(target, block_size=6, mask_token_id=MASK).to(torch.bfloat16)
+    with torch.no_grad():
+        drafter.candidate_selector.hidden_projection.weight.normal_()
+    block = torch.randn(rows, 6, adapter.hidden_size).to(torch.bfloat16)  # [R, B, H]
+    hidden = block[:, 1:5]  # [R, 4, H], strided like the block
+    logits = adapter.lm_logits(hidden)
+    assert logits.shape == (rows, 4, adapter.vocab_size) and logits.dtype == torch.bfloat16
+    for r in range(rows):
+        torch.testing.assert_close(logits[r], adapter.lm_logits(hidden[r].clone()))
+    ids = torch.randint(0, adapter.vocab_size, (rows, 4, 3))
+    edges = drafter.candidate_selector.edge_scores(ids, hidden, ids)
+    assert edges.shape == (rows, 4, 3, 3)
+    for r in range(rows):
+        torch.testing.assert_close(edges[r], drafter.candidate_selector.edge_scores(ids[r], hidden[r].clone(), ids[r]))
+    assert adapter.lm_logits(block[:, 1:1]).shape == (rows, 0, adapter.vocab_size)  # an empty slice
+
+
+@pytest.mark.parametrize("conv", ["two_tap", "none"])
+def test_backbone_rows_gives_the_first_rows_of_the_whole_block(conv):
+    """backbone(..., rows=r) runs the last layer on the first r positions only: its outputs must be
+    those of the whole block, with a batch, a padding mask and per-row positions (float64)."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(3)
+    d = DFlash2Drafter.from_target(target, block_size=6, conv=conv, num_layers=2, mask_token_id=MASK)
+    for layer in d.backbone.layers:
+        for c in (layer.attention_conv, layer.mlp_conv):
+            for p in c.parameters():
+                torch.nn.init.normal_(p)
+    N, B, C, H = 2, 6, 5, d.config.hidden_size
+    kv = (N, d.config.num_key_value_heads, C, d.config.head_dim)
+    context = [(torch.randn(kv, dtype=torch.float64), torch.randn(kv, dtype=torch.float64)) for _ in range(2)]
+    mask = torch.ones(N, 1, B, C + B, dtype=torch.bool)
+    mask[1, :, :, :2] = False  # row 1's context is left-padded
+    x = torch.randn(N, B, H, dtype=torch.float64)
+    positions = torch.tensor([[5, 6, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
+    whole = d.backbone(x, positions, context, mask)
+    for rows in range(1, B + 1):
+        torch.testing.assert_close(d.backbone(x, positions, context, mask, rows=rows), whole[:, :rows])
+    with pytest.raises(ValueError, match="rows"):
+        d.backbone(x, positions, context, mask, rows=0)
+
+
 # -- configs, from_target, save/load -------------------------------------------------------------------
 def test_default_target_layer_ids_match_the_reference():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash

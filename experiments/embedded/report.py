@@ -175,10 +175,10 @@ def main() -> int:
                             "engine). tokens/s is the set's total over its wall time, prefills included; speedup is "
                             "against batched AR at the same concurrency, measured back to back. `dflash2_walk_L<n>` "
                             "runs the same drafter's whole block but proposes only its first n positions (drafter "
-                            "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. Rows ending in "
-                            "`_bf16` run bfloat16 drafters: they pay at one row and cost at 8 and 32, most likely because "
-                            "the batched drafter's shapes vary from round to round and oneDNN rebuilds a bfloat16 "
-                            "matmul for each new shape (measured for one linear: 108 µs against 25 µs).")
+                            "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. "
+                            "`dflash2_tree<M>` verifies an M-node token tree per row in the same batched pass (each "
+                            "row's nodes at their own depths, each seeing its ancestors). Drafters run in bfloat16 "
+                            "(`_bf16`), the target in float32.")
     lines += _ablation_section() + _profile_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
