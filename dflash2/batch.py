@@ -147,7 +147,11 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             new_features[r] = None if step.features is None else step.features[i: i + 1, rows]
             if stopped:
                 finish[r] = "stop"
-        valid, pos = torch.cat([valid, kept], dim=1), torch.cat([pos, q_pos], dim=1)
+        # each row's kept slots move to the front of the block (in order) and the block is cropped after
+        # the longest row's: the cache grows by max_r(n_r + 1) slots a round, not W (a path: a crop only)
+        order = torch.argsort((~kept).long(), dim=1, stable=True)[:, : int(kept.sum(1).max())]  # [R, n]
+        tgt.keep_block(cache, S, order)
+        valid, pos = torch.cat([valid, kept.gather(1, order)], dim=1), torch.cat([pos, q_pos.gather(1, order)], dim=1)
         still = [i for i, r in enumerate(alive) if finish[r] != "stop" and left(r) > 0]
         if len(still) < R:  # finished rows leave the batch (and the cache)
             rows = torch.tensor(still, dtype=torch.long)

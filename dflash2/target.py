@@ -221,6 +221,21 @@ class TargetAdapter:
                 t[:, :, step.start: step.start + len(rows)] = t.index_select(2, src.to(t.device))
         self.crop(cache, step.start + len(rows))
 
+    def keep_block(self, cache: DynamicCache, start: int, slots: Tensor) -> None:
+        """Batched `keep`: of the slots the last pass added after the first `start`, row r keeps
+        slots[r] ([R, n], ascending), moved down to follow the cached prefix; every row is then
+        cropped to start + n slots."""
+        if self.hybrid:
+            raise NotImplementedError("hybrid targets can only keep a prefix of their cache")
+        R, n = slots.shape
+        if not torch.equal(slots.cpu(), torch.arange(n).expand(R, n)):  # otherwise a crop is all it takes
+            for layer in cache.layers:  # [R, heads, S, head_dim]
+                for name in ("keys", "values"):
+                    t = getattr(layer, name)
+                    index = (start + slots).to(t.device)[:, None, :, None].expand(R, t.shape[1], n, t.shape[3])
+                    t[:, :, start: start + n] = t.gather(2, index)
+        self.crop(cache, start + n)
+
     def _attention_kinds(self) -> dict[str, int | None]:
         """Attention layer kinds of the target and their sliding window (None: full attention)."""
         impl = getattr(self.model.config, "_attn_implementation", None) or "eager"
