@@ -156,17 +156,21 @@ def small_drafter(selector: str) -> DFlash2Drafter:
 
 # the sampled walk (sparse stochastic q) at top-k 2; a deterministic path (one-hot q) at T=1
 # concurrency 1: the second row is admitted only when the first finishes
-@pytest.mark.parametrize("selector,params,concurrency", [("walk", SamplingParams(0.8, top_k=2), None),
-                                                         ("argmax", SamplingParams(1.0), None),
-                                                         ("argmax", SamplingParams(1.0), 1)],
-                         ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1"])
-def test_batched_sampling_is_exact_per_row(selector, params, concurrency):
+# verify="tree": each row walks its own 3-node tree, one decision per node with the residual rule
+@pytest.mark.parametrize("selector,params,concurrency,verify", [("walk", SamplingParams(0.8, top_k=2), None, "path"),
+                                                                ("argmax", SamplingParams(1.0), None, "path"),
+                                                                ("argmax", SamplingParams(1.0), 1, "path"),
+                                                                ("walk", SamplingParams(0.8, top_k=2), None, "tree"),
+                                                                ("argmax", SamplingParams(1.0), None, "tree")],
+                         ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1", "tree_walk_T0.8_topk2",
+                              "tree_argmax_T1"])
+def test_batched_sampling_is_exact_per_row(selector, params, concurrency, verify):
     drafter, lengths = small_drafter(selector), set()
 
     def program(rng):
         results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
                                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
-                                      concurrency=concurrency)
+                                      concurrency=concurrency, verify=verify, tree_nodes=3)
         for r in results:
             lengths.update(r.acceptance_lengths)
         return tuple(tuple(r.new_tokens.tolist()) for r in results)
@@ -175,7 +179,8 @@ def test_batched_sampling_is_exact_per_row(selector, params, concurrency):
     rows = [exact_ar_distribution(small_target(), p, N_NEW, lambda logits: process_logits(logits, params))
             for p in PROMPTS]
     expected = {(a, b): pa * pb for a, pa in rows[0].items() for b, pb in rows[1].items()}
-    print(f"batch-{selector} T{params.temperature}/k{params.top_k}: {branches} branches, acceptance lengths {sorted(lengths)}")
+    print(f"batch-{verify}-{selector} T{params.temperature}/k{params.top_k}: {branches} branches, "
+          f"acceptance lengths {sorted(lengths)}")
     assert max(lengths) > 1
     assert max_abs_diff(got, expected) < 1e-12
 
@@ -290,31 +295,6 @@ def test_batched_trees_accept_past_their_first_path():
     assert [r.sequences[0].tolist() for r in tree] == [r.sequences[0].tolist() for r in path] == refs
     for t, p in zip(tree, path):
         assert t.tau > p.tau, (t.tau, p.tau)
-
-
-@pytest.mark.parametrize("selector,params", [("walk", SamplingParams(0.8, top_k=2)), ("argmax", SamplingParams(1.0))],
-                         ids=["walk_T0.8_topk2", "argmax_T1"])
-def test_batched_tree_sampling_is_exact_per_row(selector, params):
-    """Each row walks its own tree with one decision per node (and the residual rule), so a 2-row
-    batch's joint distribution, enumerated over every random branch, is the product of AR's."""
-    drafter, lengths = small_drafter(selector), set()
-
-    def program(rng):
-        results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
-                                      temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
-                                      verify="tree", tree_nodes=3)
-        for r in results:
-            lengths.update(r.acceptance_lengths)
-        return tuple(tuple(r.new_tokens.tolist()) for r in results)
-
-    got, branches = enumerate_outcomes(program)
-    rows = [exact_ar_distribution(small_target(), p, N_NEW, lambda logits: process_logits(logits, params))
-            for p in PROMPTS]
-    expected = {(a, b): pa * pb for a, pa in rows[0].items() for b, pb in rows[1].items()}
-    print(f"batch-tree-{selector} T{params.temperature}/k{params.top_k}: {branches} branches, "
-          f"acceptance lengths {sorted(lengths)}")
-    assert max(lengths) > 1
-    assert max_abs_diff(got, expected) < 1e-12
 
 
 @pytest.mark.parametrize("selector", ["argmax", "walk"])
