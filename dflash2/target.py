@@ -212,19 +212,12 @@ class TargetAdapter:
         if rows == list(range(len(rows))):
             self.rollback(cache, step, len(rows))
             return
-        if self.hybrid:
-            raise NotImplementedError("hybrid targets can only keep a prefix of their cache")
-        src = step.start + torch.tensor(rows)
-        for layer in cache.layers:  # [N, heads, S, head_dim]: move the path's entries down, then crop
-            for name in ("keys", "values"):
-                t = getattr(layer, name)
-                t[:, :, step.start: step.start + len(rows)] = t.index_select(2, src.to(t.device))
-        self.crop(cache, step.start + len(rows))
+        self.keep_block(cache, step.start, torch.tensor([rows]))
 
     def keep_block(self, cache: DynamicCache, start: int, slots: Tensor) -> None:
-        """Batched `keep`: of the slots the last pass added after the first `start`, row r keeps
-        slots[r] ([R, n], ascending), moved down to follow the cached prefix; every row is then
-        cropped to start + n slots."""
+        """`keep` for every row: of the slots the last pass added after the first `start`, row r keeps
+        slots[r] ([R, n], ascending), moved down in place to follow the cached prefix; every row is
+        then cropped to start + n slots."""
         if self.hybrid:
             raise NotImplementedError("hybrid targets can only keep a prefix of their cache")
         R, n = slots.shape

@@ -61,11 +61,12 @@ class TokenTree(NamedTuple):
         """The pass over [anchor, nodes]: depth [M+1] (0 for the anchor; positions are the anchor's
         plus depth) and visible [M+1, M+1] bool (row i sees the anchor, itself and its ancestors)."""
         M = len(self.tokens)
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), self.depths() if M else self.tokens.cpu()])
+        if self.parents.tolist() == list(range(-1, M - 1)):  # a chain (a path): depth = index, causal mask
+            return torch.arange(M + 1), torch.ones(M + 1, M + 1, dtype=torch.bool).tril()
+        depth = torch.cat([torch.zeros(1, dtype=torch.long), self.depths()])
         visible = torch.eye(M + 1, dtype=torch.bool)
         visible[:, 0] = True  # every node sees the anchor
-        if M:
-            visible[1:, 1:] = self.ancestor_mask()
+        visible[1:, 1:] = self.ancestor_mask()
         return depth, visible
 
     def children(self, node: int) -> list[int]:
