@@ -40,6 +40,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from .layers import as_rows
+from .target_attention import masked_gqa
 from .tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
@@ -173,8 +174,9 @@ class TargetAdapter:
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
         want = bool(self.layer_ids)
         start = cache.get_seq_length()
-        out = self.model(input_ids=ids.to(self.device), position_ids=q_pos.to(self.device), attention_mask=mask,
-                         use_cache=True, output_hidden_states=want, **{self._cache_kw: cache})
+        with masked_gqa(self.config):  # grouped heads without copying the cache per head (target_attention.py)
+            out = self.model(input_ids=ids.to(self.device), position_ids=q_pos.to(self.device), attention_mask=mask,
+                             use_cache=True, output_hidden_states=want, **{self._cache_kw: cache})
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if want else None
         return TargetStep(out.logits, features, ids, start, None)
 

@@ -89,6 +89,30 @@ def test_tree_mask_matters():
     assert (tree_logits - chain).abs().max() > 1e-3
 
 
+def test_masked_passes_use_grouped_heads_and_restore_the_attention_setting(monkeypatch):
+    """Tree and batch passes run PyTorch's SDPA on the grouped K/V heads with the mask (no per-head
+    copy of the cache: dflash2/target_attention.py), and leave the target's setting as it was, even
+    when the pass fails. The logits are the sequential ones (the test above covers every architecture)."""
+    target = tiny_target("qwen3")  # 4 query heads, 2 K/V heads
+    assert target.config._attn_implementation == "sdpa"
+    adapter = TargetAdapter(target)
+    cache = adapter.new_cache()
+    adapter.forward(torch.tensor([[1, 2, 3]]), cache)
+    calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        calls.append((q.shape[1], k.shape[1], kw.get("enable_gqa", False), kw.get("attn_mask") is not None))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    adapter.forward_tree(9, TokenTree.from_paths([[3, 4], [5, 6]]), cache)
+    assert calls == [(4, 2, True, True)] * target.config.num_hidden_layers
+    assert target.config._attn_implementation == "sdpa"
+    with pytest.raises(IndexError):  # a token outside the vocabulary fails inside the pass
+        adapter.forward_tree(9, TokenTree.from_paths([[10 ** 6]]), cache)
+    assert target.config._attn_implementation == "sdpa"
+
+
 # -- the lattice tree ----------------------------------------------------------------------------------
 @settings(max_examples=40, deadline=None)
 @given(L=st.integers(1, 5), K=st.integers(1, 4), max_nodes=st.integers(1, 30), seed=st.integers(0, 10**6))
