@@ -36,6 +36,44 @@ class ContextCache:
     length: int = 0
 
 
+@dataclass
+class ContextBatch:
+    """The context K/V of R rows drafted together, kept across rounds (batched decoding).
+
+    Per layer one buffer [R, kv_heads, capacity, hd]; row r holds the K/V of its positions
+    0 .. lengths[r]-1 in slots 0 .. lengths[r]-1 (position = slot, so nothing moves when a row
+    grows). The slots after a row's own are scratch: a drafting pass writes the block's K/V there.
+    With a context window, older entries stay in place and are masked, not dropped. Rows join at
+    the end (`add_rows`) and leave by `select_rows`, in step with the target's batch.
+    """
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def add_rows(self, n: int) -> None:
+        """n empty rows join at the end."""
+        self.lengths += [0] * n
+        grow = lambda t: torch.cat([t, t.new_zeros(n, *t.shape[1:])])  # noqa: E731
+        self.keys, self.values = [grow(k) for k in self.keys], [grow(v) for v in self.values]
+
+    def select_rows(self, rows: list[int]) -> None:
+        """Keep rows `rows`, in that order (rows that finished leave the batch)."""
+        if rows == list(range(len(self.lengths))):
+            return
+        index = torch.tensor(rows, dtype=torch.long)
+        self.lengths = [self.lengths[r] for r in rows]
+        self.keys = [k.index_select(0, index.to(k.device)) for k in self.keys]
+        self.values = [v.index_select(0, index.to(v.device)) for v in self.values]
+
+    def reserve(self, slots: int) -> None:
+        """Make room for `slots` slots per row (grown by at least half, so growth is rare)."""
+        if self.keys and self.keys[0].shape[2] < slots:
+            more = max(slots, self.keys[0].shape[2] * 3 // 2) - self.keys[0].shape[2]
+            grow = lambda t: torch.nn.functional.pad(t, (0, 0, 0, more))  # noqa: E731
+            self.keys, self.values = [grow(k) for k in self.keys], [grow(v) for v in self.values]
+
+
 class KVInjectionAttention(nn.Module):
     """Queries from the block [N, T, H]; keys/values from [context K/V; block K/V]."""
 
@@ -58,18 +96,25 @@ class KVInjectionAttention(nn.Module):
         return apply_rope(k, *rope), v
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
         """x [N, T, H] with rope (cos, sin) of its positions; context_k/v [N, kv_heads, C, hd];
         mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible).
-        rows: queries from the first `rows` positions only (keys and values from all T) → [N, rows, H]."""
+        rows: queries from the first `rows` positions only (keys and values from all T) → [N, rows, H].
+        slots [N, T]: context_k/v are a ContextBatch's buffers; the block's K/V are written into row
+        n's slots[n] (scratch) and attention runs over the first S slots, S the mask's last size."""
         N, T, _ = x.shape
         Q = T if rows is None else rows
         cos, sin = rope
         q = self.q_norm(self.q_proj(x[:, :Q]).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, Q, hd)
         q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :])
         k, v = self.project_kv(x, rope)
-        k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
-        v = torch.cat([context_v, v], dim=2)
+        if slots is None:
+            k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
+            v = torch.cat([context_v, v], dim=2)
+        else:  # in place, no copy of the context: (N, kv, S, hd) views of the buffers
+            n = torch.arange(N, device=x.device)[:, None]
+            context_k[n, :, slots], context_v[n, :, slots] = k.transpose(1, 2), v.transpose(1, 2)
+            k, v = context_k[:, :, : mask.shape[-1]], context_v[:, :, : mask.shape[-1]]
         out = attention(q, k, v, None if mask is None else mask[..., :Q, :])  # (N, h, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
 
@@ -92,10 +137,10 @@ class DrafterLayer(nn.Module):
         self.mlp_conv = make()
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
         """x [N, T, H] → [N, T, H], or [N, rows, H]: the first `rows` positions of a single block
         (the convolution is causal inside the block, so they need no later position but as keys)."""
-        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask, rows)
+        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask, rows, slots)
         x = x[:, :rows] + self.attention_conv(self.input_layernorm(x), attend, rows)
         return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp)
 
@@ -137,21 +182,7 @@ class BlockDiffusionBackbone(nn.Module):
     def extend_contexts(self, caches: list[ContextCache], features: list[Tensor]) -> list[ContextCache]:
         """`extend_context` for several single-row caches with one projection over all their new
         positions (features[r] [1, n_r, F]; RoPE is per position, so the rows can be concatenated)."""
-        sizes = [f.shape[1] for f in features]
-        device = features[0].device
-        positions = torch.cat([torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, sizes)])
-        rows = torch.cat(features, dim=1)  # [1, Σn, F]
-        # A half-precision drafter on CPU: zero rows pad the new positions to a multiple of the block size,
-        # so the projections see a few fixed shapes (a round adds 1..B positions): oneDNN sets up its
-        # half-precision matmul again when the shape changes (108 µs against 25 µs per call measured on
-        # 2026-11-30; about 2% of the draft time in the loop on 2026-12-01). Pad rows are dropped with the
-        # slicing below. Float32 (MKL) has no such cost and is left as is.
-        half = self.fc.weight.dtype in (torch.bfloat16, torch.float16) and self.fc.weight.device.type == "cpu"
-        pad = -rows.shape[1] % self.config.block_size if half else 0
-        if pad:
-            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
-            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(pad, device=device)])
-        new = self.context_kv(rows, positions)  # per layer (k, v) [1, kv, Σn + pad, hd]
+        new, sizes = self._project([c.length for c in caches], features)
         window = self.config.context_window
         for r, cache in enumerate(caches):
             lo, hi = sum(sizes[:r]), sum(sizes[: r + 1])
@@ -165,18 +196,59 @@ class BlockDiffusionBackbone(nn.Module):
             cache.length += sizes[r]
         return caches
 
+    def extend_batch(self, context: ContextBatch, features: list[Tensor], room: int) -> ContextBatch:
+        """Append features[r] [1, n_r, F] to row r of `context` at its next positions (in place), and
+        leave at least `room` scratch slots after the longest row."""
+        sizes = [f.shape[1] for f in features]
+        ends = [n + m for n, m in zip(context.lengths, sizes)]
+        new = self._project(context.lengths, features)[0] if sum(sizes) else None  # per layer (k, v) [1, kv, Σn+, hd]
+        if new is not None and not context.keys:  # the first features: the buffers take the projections' layout
+            shape = lambda t: (len(sizes), t.shape[1], max(ends) + room, t.shape[3])  # noqa: E731
+            context.keys, context.values = [k.new_zeros(shape(k)) for k, _ in new], [v.new_zeros(shape(v)) for _, v in new]
+        context.reserve(max(ends, default=0) + room)
+        if new is not None:
+            device = context.keys[0].device
+            row = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)  # [Σn]
+            slot = torch.cat([torch.arange(n, e) for n, e in zip(context.lengths, ends)]).to(device)  # [Σn]
+            for buffers, i in ((context.keys, 0), (context.values, 1)):
+                for buffer, kv in zip(buffers, new):
+                    buffer[row, :, slot] = kv[i][0, :, : len(slot)].transpose(0, 1)  # [Σn, kv, hd]
+        context.lengths = ends
+        return context
+
+    def _project(self, starts: list[int], features: list[Tensor]) -> tuple[list[tuple[Tensor, Tensor]], list[int]]:
+        """features[r] [1, n_r, F] at positions starts[r].. → per layer (k, v) [1, kv, Σn (+ pad), hd]
+        with the rows' entries side by side, and the n_r."""
+        sizes = [f.shape[1] for f in features]
+        device = features[0].device
+        positions = torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, sizes)])
+        rows = torch.cat(features, dim=1)  # [1, Σn, F]
+        # A half-precision drafter on CPU: zero rows pad the new positions to a multiple of the block size,
+        # so the projections see a few fixed shapes (a round adds 1..B positions): oneDNN sets up its
+        # half-precision matmul again when the shape changes (108 µs against 25 µs per call measured on
+        # 2026-11-30; about 2% of the draft time in the loop on 2026-12-01). Callers drop the pad rows.
+        # Float32 (MKL) has no such cost and is left as is.
+        half = self.fc.weight.dtype in (torch.bfloat16, torch.float16) and self.fc.weight.device.type == "cpu"
+        pad = -rows.shape[1] % self.config.block_size if half else 0
+        if pad:
+            rows = torch.nn.functional.pad(rows, (0, 0, 0, pad))
+            positions = torch.cat([positions, positions[-1] + 1 + torch.arange(pad, device=device)])
+        return self.context_kv(rows, positions), sizes
+
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
-                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
         """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
         [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None → [N, T, H].
 
         rows (a single block, T = block_size): only the first `rows` outputs are wanted → [N, rows, H].
         Every layer but the last still runs all T positions (their outputs are the last layer's keys
-        and values); the last runs its queries, MLP and convolutions on `rows` positions only."""
+        and values); the last runs its queries, MLP and convolutions on `rows` positions only.
+        slots [N, T]: `context` holds a ContextBatch's buffers, and the block's K/V go into these
+        scratch slots of each row instead of being concatenated (see KVInjectionAttention)."""
         rope = self.rope(positions, x.dtype)
         if rows is not None and not 0 < rows <= x.shape[1] == self.config.block_size:
             raise ValueError(f"rows must be in 1..{self.config.block_size} for a single block, got {rows}")
         last = len(self.layers) - 1
         for i, (layer, (k, v)) in enumerate(zip(self.layers, context)):
-            x = layer(x, rope, k, v, mask, rows if i == last else None)
+            x = layer(x, rope, k, v, mask, rows if i == last else None, slots)
         return self.norm(x)

@@ -3,8 +3,9 @@
     repeat while some row is alive or waiting:
         if fewer than `concurrency` rows are in flight: prefill the next waiting prompts (left-padded)
             → each newcomer's first token (its anchor); they join the batch (continuous batching)
-        each alive row r drafts L_r tokens (its own drafter cache; one drafter pass for all rows
-        when the drafter has `propose_batch`), or with verify="tree" a token tree of L_r nodes
+        each alive row r drafts L_r tokens, or with verify="tree" a token tree of L_r nodes (one
+        drafter pass for all rows over their shared ContextBatch when the drafter has
+        `new_context_batch`; otherwise each row from its own drafter cache)
         one target pass over [R, W = 1 + max L_r]: row r's block sits at its own positions (a tree's
         nodes at the anchor's position + depth, each seeing its ancestors)
         verify each row on its own → row r keeps n_r + 1 of its W new cache slots (a tree: the
@@ -71,6 +72,10 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     finish = ["length"] * N
     timings = dict(prefill_s=0.0, draft_s=0.0, verify_s=0.0)
     anchors, new_features, draft_caches = [0] * N, [None] * N, [None] * N
+    # a drafter that drafts every row in one pass keeps the rows' context in one ContextBatch, whose
+    # rows follow `alive` (as the target cache's do); others keep one cache per row
+    batched = callable(getattr(drafter, "new_context_batch", None))
+    context = drafter.new_context_batch() if batched else None
     waiting = list(range(N)) if max_new_tokens > 0 else []  # rows not yet admitted, in order
     alive: list[int] = []  # rows in flight; alive[i] is row i of the target cache, valid and pos
     cache, valid, pos = None, None, None  # the running batch: target cache, live slots [R, S], positions [R, S]
@@ -82,7 +87,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             joined = []
             for i, r in enumerate(newcomers):
                 anchors[r], new_features[r] = _choose(logits[i], params, rng), features[i]
-                draft_caches[r] = drafter.new_cache()
+                draft_caches[r] = None if batched else drafter.new_cache()
                 tokens[r].append(anchors[r])
                 if anchors[r] in stops:
                     finish[r] = "stop"
@@ -97,20 +102,22 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             else:
                 cache, valid, pos = new_cache, new_valid[rows], new_pos[rows]
             alive += [newcomers[i] for i in joined]
+            if batched:
+                context.add_rows(len(joined))
             sync()
             timings["prefill_s"] += time.perf_counter() - t0
             continue  # admit again if some newcomers finished at once
         args = ([draft_caches[r] for r in alive], [anchors[r] for r in alive], [new_features[r] for r in alive])
         depths = [min(left(r) - 1, B - 1) for r in alive]
         if verify == "tree":  # a token tree per row: [anchor, nodes] in one pass, ancestors visible
-            if callable(getattr(drafter, "propose_tree_batch", None)):
-                drafts = drafter.propose_tree_batch(*args, tgt, tree_nodes, depths)
+            if batched:
+                drafts = drafter.propose_tree_batch(context, *args[1:], tgt, tree_nodes, depths)
             else:
                 drafts = [drafter.propose_tree(c, a, f, tgt, tree_nodes, d) for c, a, f, d in zip(*args, depths)]
             trees = drafts
         else:  # a path per row: a chain
-            if callable(getattr(drafter, "propose_batch", None)):  # every row in one drafter pass
-                drafts = drafter.propose_batch(*args, tgt, params.temperature, rng)
+            if batched:  # every row in one drafter pass
+                drafts = drafter.propose_batch(context, *args[1:], tgt, params.temperature, rng)
             else:  # each row drafts from its own context, exactly as spec_generate does
                 drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
             drafts = [d.truncate(depth) for d, depth in zip(drafts, depths)]
@@ -157,6 +164,8 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             rows = torch.tensor(still, dtype=torch.long)
             tgt.select_rows(cache, rows)
             valid, pos, alive = valid[rows], pos[rows], [alive[i] for i in still]
+            if batched:
+                context.select_rows(still)
         used = valid.any(0)  # [S + W] slots live in some row
         if alive and 4 * int((~used).sum()) > used.numel():  # compact once a quarter of the slots are dead
             columns = used.nonzero()[:, 0]

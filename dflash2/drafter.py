@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from . import reference_format
-from .backbone import BlockDiffusionBackbone, ContextCache
+from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
 from .rng import RandomSource
@@ -169,6 +169,10 @@ class DFlash2Drafter(nn.Module):
     def new_cache(self) -> ContextCache:
         return ContextCache()
 
+    def new_context_batch(self) -> ContextBatch:
+        """The context of a batch of rows for `propose_batch` / `propose_tree_batch` (no rows yet)."""
+        return ContextBatch()
+
     @torch.no_grad()
     def propose(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
                 temperature: float, rng: RandomSource) -> Draft:
@@ -182,19 +186,20 @@ class DFlash2Drafter(nn.Module):
         return self.candidate_selector(cands, hidden, anchor, temperature, rng)
 
     @torch.no_grad()
-    def propose_batch(self, caches: list[ContextCache], anchors: list[int], new_features: list[Tensor],
+    def propose_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
                       target: TargetAdapter, temperature: float, rng: RandomSource) -> list[Draft]:
-        """Row r as `propose(caches[r], anchors[r], new_features[r], ...)`, every row in one backbone
-        pass: the rows' context K/V are left-padded to the longest and the padding is masked."""
-        self.backbone.extend_contexts(caches, new_features)
-        if self.config.block_size == 1:
+        """Row r as `propose(row r's cache, anchors[r], new_features[r], ...)`, every row in one
+        backbone pass over the rows' shared context (a ContextBatch, its padding masked)."""
+        L = self.config.num_draft_positions if self.config.block_size > 1 else 0
+        self.backbone.extend_batch(context, new_features, self.config.block_size)
+        if L == 0:
             return [Draft(torch.zeros(0, dtype=torch.long, device=f.device)) for f in new_features]
-        hidden, cands = self._candidates_batch(caches, anchors, target, self.config.num_draft_positions)
+        hidden, cands = self._candidates_batch(context, anchors, target, L)
         selector = self.candidate_selector
         if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
             return selector.select_batch(cands, hidden, anchors)
         return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
-                for r in range(len(caches))]
+                for r in range(len(anchors))]
 
     @torch.no_grad()
     def propose_tree(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
@@ -210,37 +215,40 @@ class DFlash2Drafter(nn.Module):
         return best_first_tree(cands.ids, *self._lattice(cands, hidden, anchor), max_nodes)
 
     @torch.no_grad()
-    def propose_tree_batch(self, caches: list[ContextCache], anchors: list[int], new_features: list[Tensor],
+    def propose_tree_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
                            target: TargetAdapter, max_nodes: int, max_depths: list[int]) -> list[TokenTree]:
-        """Row r as `propose_tree(caches[r], anchors[r], new_features[r], target, max_nodes,
+        """Row r as `propose_tree(row r's cache, anchors[r], new_features[r], target, max_nodes,
         max_depths[r])`, every row in one backbone pass (as `propose_batch`)."""
-        self.backbone.extend_contexts(caches, new_features)
+        self.backbone.extend_batch(context, new_features, self.config.block_size)
         depths = [min(self.config.num_draft_positions, d, max_nodes) for d in max_depths]  # M nodes: depth <= M
         L = max(depths)
         if L <= 0:
             return [TokenTree.empty(f.device) for f in new_features]
-        hidden, cands = self._candidates_batch(caches, anchors, target, L)  # [R, L, H], [R, L, K]
+        hidden, cands = self._candidates_batch(context, anchors, target, L)  # [R, L, H], [R, L, K]
         first, steps = self._lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
         return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
 
-    def _candidates_batch(self, caches: list[ContextCache], anchors: list[int], target: TargetAdapter,
+    def _candidates_batch(self, context: ContextBatch, anchors: list[int], target: TargetAdapter,
                           L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of every row's block: hidden [R, L, H], candidates [R, L, K].
-        The rows' context K/V are left-padded to the longest and the padding is masked."""
-        R, B = len(caches), self.config.block_size
-        device = caches[0].keys[0].device
-        sizes = [c.keys[0].shape[2] for c in caches]
-        C = max(sizes)
-        pad = lambda t: torch.nn.functional.pad(t, (0, 0, C - t.shape[2], 0))  # noqa: E731  [1, kv, C, hd]
-        context = [(torch.cat([pad(c.keys[i]) for c in caches]), torch.cat([pad(c.values[i]) for c in caches]))
-                   for i in range(len(caches[0].keys))]
-        seen = torch.arange(C, device=device)[None, :] >= C - torch.tensor(sizes, device=device)[:, None]  # [R, C]
-        mask = torch.cat([seen[:, None, :].expand(R, B, C), torch.ones(R, B, B, dtype=torch.bool, device=device)], -1)
+        Row r's block sits in the scratch slots after its context (slot = position); each row sees
+        its own context (its last `context_window` positions) and its whole block."""
+        R, B = len(anchors), self.config.block_size
+        device = context.keys[0].device
+        lengths = torch.tensor(context.lengths, device=device)[:, None]  # [R, 1]
+        window = self.config.context_window
+        first = lengths - window if window is not None else torch.zeros_like(lengths)  # oldest visible slot
+        S = int(lengths.max()) + B  # the slots any row attends over
+        slot = torch.arange(S, device=device)
+        mask = (slot >= first) & (slot < lengths + B)  # [R, S]: own context and own block
+        slots = lengths + torch.arange(B, device=device)  # [R, B], also the block's positions
         ids = torch.full((R, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)
-        positions = torch.tensor([c.length for c in caches], device=device)[:, None] + torch.arange(B, device=device)
-        hidden = self.backbone(self.embed_block(ids, target), positions, context, mask[:, None], rows=L + 1)[:, 1:]  # [R, L, H]
+        context_kv = list(zip(context.keys, context.values))
+        x = self.embed_block(ids, target)
+        hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
+                               slots=slots)[:, 1:]  # [R, L, H]
         return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
 
     def _lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:

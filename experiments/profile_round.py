@@ -1,13 +1,13 @@
 """Where a round's time goes, stage by stage, on the embedded pair; and before/after ratios of the
 optimisations of the batched drafter, measured interleaved in one process.
 
-    python experiments/profile_round.py [--threads 2] [--repeats 200]
+    python experiments/profile_round.py [--threads 2] [--repeats 200] [--drafter-dtype bfloat16]
 
 Single row (HumanEval prompt 0, B = 16): target forward of 1 token (an AR step) and of a 16-token
 block, and the drafter's stages (context projection, backbone, LM head, top-K, selector).
-Batched drafting (8 rows): "before" projects each row's new context on its own and runs the walk
-row by row; "after" is `propose_batch` as shipped (one projection, the greedy walk of all rows at
-once). Medians over repeats; the two variants alternate. Writes docs/results/profile_round.json.
+Batched drafting (8 rows): "before" is each row drafting alone (`propose` row by row); "after"
+is `propose_batch` over the rows' ContextBatch (one projection, one backbone pass, the greedy walk
+of all rows at once). Medians over repeats; the two variants alternate. Writes docs/results/profile_round.json.
 """
 
 from __future__ import annotations
@@ -46,11 +46,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--repeats", type=int, default=200)
     p.add_argument("--rows", type=int, default=8)
+    p.add_argument("--drafter-dtype", choices=["float32", "bfloat16"], default="float32")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "profile_round.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     tok, target, drafter = load_embedded("dflash2")
-    target, drafter = target.float(), drafter.float()
+    target, drafter = target.float(), drafter.to(getattr(torch, args.drafter_dtype))
     adapter = TargetAdapter(target, drafter.target_layer_ids)
     rng = TorchRandom(torch.Generator().manual_seed(0))
     texts, _ = load_prompts("humaneval", args.rows)
@@ -84,26 +85,22 @@ def main() -> int:
     with torch.no_grad():
         single = {name: median_ms(fn, args.repeats) for name, fn in stages.items()}
 
-    # -- batched drafting: before / after, interleaved ------------------------------------------------
+    # -- batched drafting: each row alone / all rows in one pass, interleaved --------------------------
     feats = [adapter.forward(ids, adapter.new_cache()).features for ids in prompts]
     caches = [drafter.new_cache() for _ in feats]
     drafter.backbone.extend_contexts(caches, [f[:, :-2] for f in feats])
-    news = [f[:, -2:] for f in feats]
+    context = drafter.new_context_batch()
+    context.add_rows(len(feats))
+    drafter.backbone.extend_batch(context, [f[:, :-2] for f in feats], drafter.block_size)
+    news, lengths = [f[:, -2:] for f in feats], list(context.lengths)
     anchors = [5] * len(feats)
 
-    def after():
-        return drafter.propose_batch([copy.copy(c) for c in caches], anchors, news, adapter, 0.0, rng)
+    def after():  # one pass over the rows' ContextBatch; resetting the lengths undoes the extension
+        context.lengths = list(lengths)
+        return drafter.propose_batch(context, anchors, news, adapter, 0.0, rng)
 
-    def before():  # per-row context projection and row-by-row walk, as first written
-        backbone, cls = drafter.backbone, type(drafter.candidate_selector)
-        fast_extend, fast_select = backbone.extend_contexts, cls.__dict__["select_batch"]
-        backbone.extend_contexts = lambda cs, fs: [fast_extend([c], [f])[0] for c, f in zip(cs, fs)]
-        delattr(cls, "select_batch")
-        try:
-            return drafter.propose_batch([copy.copy(c) for c in caches], anchors, news, adapter, 0.0, rng)
-        finally:
-            del backbone.extend_contexts  # back to the class's method
-            cls.select_batch = fast_select
+    def before():  # each row drafts alone from its own cache, as spec_generate does
+        return [drafter.propose(copy.copy(c), a, f, adapter, 0.0, rng) for c, a, f in zip(caches, anchors, news)]
 
     with torch.no_grad():
         same = [d.tokens.tolist() for d in before()] == [d.tokens.tolist() for d in after()]
@@ -115,10 +112,11 @@ def main() -> int:
                 timings[name].append(time.perf_counter() - t)
     batched = {name: 1e3 * statistics.median(v) for name, v in timings.items()}
     if not same:
-        raise SystemExit("before and after drafted different tokens")
+        raise SystemExit("the rows drafted alone and in one pass differ")
 
     result = dict(meta=dict(command="python " + " ".join(sys.argv), date=str(datetime.date.today()),
-                            machine=platform.platform(), threads=args.threads, repeats=args.repeats),
+                            machine=platform.platform(), threads=args.threads, repeats=args.repeats,
+                            drafter_dtype=args.drafter_dtype),
                   single_row_ms=single, batched_drafting_ms=batched,
                   batched_drafting_speedup=batched["before"] / batched["after"])
     args.out.parent.mkdir(parents=True, exist_ok=True)

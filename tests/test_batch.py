@@ -202,7 +202,7 @@ def test_batch_errors():
 
 @pytest.mark.parametrize("selector", ["argmax", "walk", "viterbi"])
 def test_propose_batch_equals_propose_per_row(selector):
-    """The drafter's batched pass (left-padded contexts, masked) drafts what each row drafts alone."""
+    """The drafter's batched pass (the rows' contexts in one ContextBatch, masked) drafts what each row drafts alone."""
     from dflash2 import TorchRandom
     from dflash2.drafter import DFlash2Drafter
 
@@ -220,8 +220,9 @@ def test_propose_batch_equals_propose_per_row(selector):
                  for r, f in enumerate(feats)]
         batch = []
         for r, f in enumerate(feats):  # the same random stream per row: run the batch once per row
-            out = d.propose_batch([d.new_cache() for _ in feats], [4] * 3, feats, adapter, temperature,
-                                  TorchRandom(torch.Generator().manual_seed(r)))
+            context = d.new_context_batch()
+            context.add_rows(3)
+            out = d.propose_batch(context, [4] * 3, feats, adapter, temperature, TorchRandom(torch.Generator().manual_seed(r)))
             batch.append(out[r] if temperature == 0 or r == 0 else None)
         for r, (a, b) in enumerate(zip(alone, batch)):
             if b is None:
@@ -314,7 +315,9 @@ def test_propose_tree_batch_equals_propose_tree_per_row(selector):
     feats = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in prompts]
     depths = [5, 2, 0]
     alone = [d.propose_tree(d.new_cache(), 4, f, adapter, 7, depth) for f, depth in zip(feats, depths)]
-    batch = d.propose_tree_batch([d.new_cache() for _ in feats], [4] * 3, feats, adapter, 7, depths)
+    context = d.new_context_batch()
+    context.add_rows(3)
+    batch = d.propose_tree_batch(context, [4] * 3, feats, adapter, 7, depths)
     for a, b in zip(alone, batch):
         assert a.tokens.tolist() == b.tokens.tolist() and a.parents.tolist() == b.parents.tolist()
     assert len(batch[0].tokens) == 7 and len(batch[2].tokens) == 0 and int(batch[1].depths().max()) <= 2

@@ -225,6 +225,48 @@ def test_backbone_rows_gives_the_first_rows_of_the_whole_block(conv):
         d.backbone(x, positions, context, mask, rows=0)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_context_batch_follows_each_row_across_rounds(window):
+    """One ContextBatch for rows that join late, grow by different amounts each round and leave: the
+    batched pass gives every row the hidden states and candidates its own ContextCache gives (float64),
+    with and without a context window, while the buffers grow past their first capacity."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(3)
+    d = DFlash2Drafter.from_target(target, block_size=4, conv="two_tap", num_layers=2, mask_token_id=MASK,
+                                   selector_top_k=3, context_window=window)
+    for layer in d.backbone.layers:
+        for c in (layer.attention_conv, layer.mlp_conv):
+            torch.nn.init.normal_(c.kernel_projection.weight, std=0.3)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    g = torch.Generator().manual_seed(0)
+    F = len(d.target_layer_ids) * d.config.hidden_size
+    features = lambda n: torch.randn(1, n, F, generator=g, dtype=torch.float64)  # noqa: E731
+    context, rows, capacities = d.new_context_batch(), [], set()  # rows[i]: row i's own ContextCache
+    for rnd in range(8):
+        if rnd in (0, 2, 5):  # newcomers join with their prompt's features
+            context.add_rows(2 if rnd != 5 else 1)
+            rows += [d.new_cache() for _ in range(2 if rnd != 5 else 1)]
+            news = [features(int(torch.randint(1, 13, (1,), generator=g))) if c.length == 0
+                    else features(int(torch.randint(1, 5, (1,), generator=g))) for c in rows]
+        else:
+            news = [features(int(torch.randint(1, 5, (1,), generator=g))) for _ in rows]
+        if rnd in (3, 6):  # the second row finishes and leaves
+            context.select_rows([i for i in range(len(rows)) if i != 1])
+            rows, news = rows[:1] + rows[2:], news[:1] + news[2:]
+        d.backbone.extend_batch(context, news, d.config.block_size)
+        for cache, f in zip(rows, news):
+            d.backbone.extend_context(cache, f)
+        assert context.lengths == [c.length for c in rows]
+        capacities.add(context.keys[0].shape[2])
+        anchors = [int(a) for a in torch.randint(0, MASK, (len(rows),), generator=g)]
+        hidden, cands = d._candidates_batch(context, anchors, adapter, 3)
+        for i, (cache, anchor) in enumerate(zip(rows, anchors)):
+            alone_hidden, alone = d._candidates(cache, anchor, adapter, 3)
+            torch.testing.assert_close(hidden[i], alone_hidden, rtol=0, atol=1e-10)
+            assert cands.ids[i].tolist() == alone.ids.tolist()
+    assert len(capacities) > 1  # the buffers grew while rows were in flight
+
+
 # -- configs, from_target, save/load -------------------------------------------------------------------
 def test_default_target_layer_ids_match_the_reference():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)  # Qwen3-8B-DFlash
@@ -347,8 +389,9 @@ def test_draft_len_proposes_a_prefix_of_the_full_block(selector):
     full = [d.propose(d.new_cache(), 4, f, adapter, 0.0, rng).tokens for f in features]
     short = d.with_config(draft_len=3)
     alone = [short.propose(short.new_cache(), 4, f, adapter, 0.0, rng).tokens for f in features]
-    batch = [x.tokens for x in short.propose_batch([short.new_cache() for _ in features], [4, 4], features, adapter,
-                                                   0.0, rng)]
+    context = short.new_context_batch()
+    context.add_rows(2)
+    batch = [x.tokens for x in short.propose_batch(context, [4, 4], features, adapter, 0.0, rng)]
     assert all(len(f) == 7 for f in full)
     for f, a, b in zip(full, alone, batch):
         assert a.tolist() == b.tolist() == f[:3].tolist()

@@ -234,9 +234,10 @@ def _profile_section() -> list[str]:
     return ["## Where a round's time goes", "",
             f"`{meta['command']}` ({meta['date']}, {meta['threads']} threads, medians of {meta['repeats']}).", "",
             "| stage | ms |", "|---|---|", *[f"| {k} | {v:.2f} |" for k, v in data["single_row_ms"].items()], "",
-            f"Batched drafting of 8 rows, before/after one context projection for all rows and the greedy walk "
-            f"of all rows at once (interleaved): {b['before']:.2f} ms → {b['after']:.2f} ms, "
-            f"{data['batched_drafting_speedup']:.2f}× faster.", "", *_cprofile_lines()]
+            f"Drafting 8 rows (the drafter's dtype: {meta.get('drafter_dtype', 'float32')}), each row alone "
+            f"(`propose` row by row) against all rows in one pass over their `ContextBatch` (`propose_batch`), "
+            f"interleaved: {b['before']:.2f} ms → {b['after']:.2f} ms, {data['batched_drafting_speedup']:.2f}× faster.",
+            "", *_cprofile_lines()]
 
 
 def _cprofile_lines() -> list[str]:
