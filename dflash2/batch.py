@@ -107,19 +107,21 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             sync()
             timings["prefill_s"] += time.perf_counter() - t0
             continue  # admit again if some newcomers finished at once
-        args = ([draft_caches[r] for r in alive], [anchors[r] for r in alive], [new_features[r] for r in alive])
+        ids, feats = [anchors[r] for r in alive], [new_features[r] for r in alive]
         depths = [min(left(r) - 1, B - 1) for r in alive]
         if verify == "tree":  # a token tree per row: [anchor, nodes] in one pass, ancestors visible
             if batched:
-                drafts = drafter.propose_tree_batch(context, *args[1:], tgt, tree_nodes, depths)
+                drafts = drafter.propose_tree_batch(context, ids, feats, tgt, tree_nodes, depths)
             else:
-                drafts = [drafter.propose_tree(c, a, f, tgt, tree_nodes, d) for c, a, f, d in zip(*args, depths)]
+                drafts = [drafter.propose_tree(draft_caches[r], a, f, tgt, tree_nodes, d)
+                          for r, a, f, d in zip(alive, ids, feats, depths)]
             trees = drafts
         else:  # a path per row: a chain
             if batched:  # every row in one drafter pass
-                drafts = drafter.propose_batch(context, *args[1:], tgt, params.temperature, rng)
+                drafts = drafter.propose_batch(context, ids, feats, tgt, params.temperature, rng)
             else:  # each row drafts from its own context, exactly as spec_generate does
-                drafts = [drafter.propose(c, a, f, tgt, params.temperature, rng) for c, a, f in zip(*args)]
+                drafts = [drafter.propose(draft_caches[r], a, f, tgt, params.temperature, rng)
+                          for r, a, f in zip(alive, ids, feats)]
             drafts = [d.truncate(depth) for d, depth in zip(drafts, depths)]
             trees = [TokenTree.chain(d.tokens.cpu()) for d in drafts]
         sync()
