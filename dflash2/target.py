@@ -38,9 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from .layers import as_rows
 from .target_attention import masked_gqa
+from .target_cache import GrowingLayer
 from .tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
@@ -106,8 +108,14 @@ class TargetAdapter:
 
     # -- operations ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
-        # hybrid layers need their own cache layer types, which only the config says
-        return DynamicCache(config=self.model.config) if self.hybrid else DynamicCache()
+        # hybrid layers need their own cache layer types, which only the config says (and their snapshots
+        # hold K/V by reference, so those must never be written in place)
+        if self.hybrid:
+            return DynamicCache(config=self.model.config)
+        cache = DynamicCache()
+        if getattr(cache, "layer_class_to_replicate", None) is DynamicLayer:  # layers made lazily: append in place
+            cache.layer_class_to_replicate = GrowingLayer
+        return cache
 
     @torch.no_grad()
     def forward(self, input_ids: Tensor, cache: DynamicCache) -> TargetStep:

@@ -85,3 +85,45 @@ def test_target_cache_with_partial_acceptance():
     result = spec_generate(stub, adapter, torch.tensor([prompt]), max_new_tokens=30)
     assert result.sequences[0].tolist() == reference
     assert 1 < max(result.acceptance_lengths) < 8 and adapter.checked == result.num_rounds
+
+
+def test_target_cache_appends_in_place_and_survives_crops_and_row_changes():
+    """The adapter's cache layers write each pass's entries into spare slots of one buffer (no copy of
+    the whole cache per pass); crops, in-place moves, dropped rows and dropped slots keep every layer
+    equal to a plain concatenating cache fed the same operations (float64)."""
+    from transformers import DynamicCache
+
+    from dflash2.target_cache import GrowingLayer
+
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target)
+    ours, plain = adapter.new_cache(), DynamicCache()
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n, rows=3: torch.randint(0, MASK, (rows, n), generator=g)  # noqa: E731
+
+    def run(x):
+        with torch.no_grad():
+            for cache in (ours, plain):
+                target(input_ids=x, past_key_values=cache, use_cache=True)
+
+    def same():
+        assert all(isinstance(layer, GrowingLayer) for layer in ours.layers)
+        for a, b in zip(ours.layers, plain.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+    run(ids(5))
+    start = ours.layers[0].keys.data_ptr()
+    run(ids(2))
+    assert ours.layers[0].keys.data_ptr() == start  # appended into the same buffer
+    same()
+    for cache in (ours, plain):
+        adapter.keep_block(cache, 5, torch.tensor([[1], [0], [1]]))  # each row keeps one of the two new slots
+    run(ids(3))
+    same()
+    for cache in (ours, plain):
+        adapter.select_rows(cache, torch.tensor([2, 0]))
+        adapter.keep_slots(cache, torch.tensor([0, 2, 3, 5, 6, 7, 8]))
+    run(ids(2, rows=2))  # fits the old buffer, which no longer holds these rows and slots
+    same()
+    run(ids(40, rows=2))  # past the buffer's capacity
+    same()
