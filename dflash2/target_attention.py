@@ -17,6 +17,7 @@ not at import.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -43,6 +44,7 @@ def masked_gqa_attention(module, query: Tensor, key: Tensor, value: Tensor, atte
                                   **kwargs)
 
 
+@functools.cache  # once per process, on first use
 def _register() -> None:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
