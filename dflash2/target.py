@@ -32,11 +32,13 @@ from __future__ import annotations
 
 import copy
 import inspect
+import re
 from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -50,6 +52,10 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 # Recurrent layer types rolled back by snapshot and replay.
 ROLLBACK_LAYER_TYPES = frozenset({"linear_attention"})
 # Recurrent-state families without a `layer_types` field.
+# The first transformers release whose hybrid models (Qwen3.5) run with our snapshot/replay rollback:
+# 5.3.0 fails inside the model (its cache lacks `has_previous_state`), 5.5.4 and 5.6.2 give wrong greedy
+# tokens without an error, 5.7.0 .. 5.24.0 pass tests/test_hybrid_targets.py (measured 2026-12-01).
+HYBRID_MIN_TRANSFORMERS = (5, 7)
 RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "jamba", "zamba", "zamba2",
                                    "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 
@@ -77,6 +83,12 @@ class TargetAdapter:
         self.config = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.layer_ids = tuple(layer_ids)
         self.hybrid = _is_hybrid(self.config)
+        if self.hybrid and transformers_version() < HYBRID_MIN_TRANSFORMERS:
+            need = ".".join(map(str, HYBRID_MIN_TRANSFORMERS))
+            raise NotImplementedError(
+                f"hybrid targets (linear_attention layers) need transformers >= {need}; this is "
+                f"{transformers.__version__}, whose hybrid cache does not survive a rollback (fails or decodes wrong "
+                f"tokens). Upgrade: pip install 'transformers>={need}'")
         bad = [i for i in self.layer_ids if not 0 <= i < self.num_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
@@ -301,6 +313,12 @@ def cat_rows_left_padded(a: Tensor, b: Tensor, slot_dim: int) -> Tensor:
     S, T = a.shape[slot_dim], b.shape[slot_dim]
     pad = lambda t, k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1 - slot_dim) + (k, 0))  # noqa: E731
     return torch.cat([pad(a, max(T - S, 0)), pad(b, max(S - T, 0))])
+
+
+def transformers_version() -> tuple[int, int]:
+    """(major, minor) of the installed transformers."""
+    major, minor = re.match(r"(\d+)\.(\d+)", transformers.__version__).groups()
+    return int(major), int(minor)
 
 
 def _is_hybrid(config) -> bool:

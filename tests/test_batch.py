@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from dflash2 import (DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, process_logits,
                      spec_generate_batch)
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
-                           hf_greedy, max_abs_diff, oracle_tree_drafter, tiny_target)
+                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, tiny_target)
 
 
 class RowOracle:
@@ -195,6 +195,10 @@ def test_batch_errors():
         spec_generate_batch(d, target, torch.tensor([[1, 2]]), torch.tensor([[1, 1, 1]]), max_new_tokens=2)
     with pytest.raises(TypeError, match=r"\[N, T\]"):
         spec_generate_batch(d, target, torch.tensor([1, 2]), max_new_tokens=2)
+
+
+@needs_hybrid_transformers
+def test_batches_refused_on_hybrid_targets():
     hybrid = tiny_target(next(iter(HYBRID_ARCHITECTURES)))
     with pytest.raises(ValueError, match="attention-only"):
         ar_generate_batch(hybrid, torch.tensor([[1, 2]]), max_new_tokens=2)

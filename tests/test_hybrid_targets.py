@@ -12,10 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
-from tests.helpers import HYBRID_ARCHITECTURES, MASK, VOCAB, hf_greedy, oracle_drafter, tiny_target
+from tests.helpers import (HYBRID_ARCHITECTURES, MASK, VOCAB, hf_greedy, needs_hybrid_transformers, oracle_drafter,
+                           tiny_target)
 from tests.test_cache_invariants import CheckingAdapter
 from tests.test_greedy_equality import check_round_invariants
 
+pytestmark = needs_hybrid_transformers
 HISTOGRAMS: dict[str, Counter] = {}
 
 

@@ -22,7 +22,8 @@ from dflash2 import DFlash2Drafter, SamplingParams, TargetAdapter, process_logit
 from dflash2.tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
 from dflash2.verify import verify_deterministic
 from tests.helpers import (ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, TreeStubDrafter, enumerate_outcomes,
-                           exact_ar_distribution, hf_greedy, max_abs_diff, oracle_tree_drafter, tiny_target)
+                           exact_ar_distribution, hf_greedy, max_abs_diff, needs_hybrid_transformers,
+                           oracle_tree_drafter, tiny_target)
 
 TREE_ARCHITECTURES = list(ARCHITECTURES) + list(MORE_ARCHITECTURES)
 
@@ -313,6 +314,7 @@ def test_tree_errors():
                       verify="tree")
 
 
+@needs_hybrid_transformers
 def test_tree_refused_on_hybrid_targets():
     from tests.helpers import HYBRID_ARCHITECTURES
 
