@@ -22,7 +22,9 @@ to `out`. Methods:
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
 the committed tokens are the same; a half-precision drafter only moves fewer bytes (fast on CPUs with
-native bfloat16, such as AVX512-BF16; slow without it).
+native bfloat16, such as AVX512-BF16; 5-8x slower matmuls without it, measured on an AVX2 CPU).
+`auto` is bfloat16 on a CPU with native bfloat16 matmuls (or on CUDA), float32 otherwise. The
+machine's CPU (vector extension, native bfloat16 or not) is written next to every table.
 
 Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
 back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also
@@ -87,6 +89,7 @@ class BenchConfig:
     quick: bool = False
 
     def __post_init__(self) -> None:
+        self.drafter_dtypes = [resolve_dtype(d) for d in self.drafter_dtypes]
         bad = sorted(set(self.methods) - set(ALL_METHODS))
         if bad:
             raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS)}")
@@ -99,9 +102,33 @@ class BenchConfig:
             raise ValueError(f"tree_nodes must be positive integers, got {self.tree_nodes}")
         bad = [d for d in self.drafter_dtypes if d not in DTYPES]
         if bad or not self.drafter_dtypes or len(set(self.drafter_dtypes)) != len(self.drafter_dtypes):
-            raise ValueError(f"drafter_dtypes must be distinct names among {list(DTYPES)}, got {self.drafter_dtypes}")
+            raise ValueError(f"drafter_dtypes must be distinct names among {[*DTYPES, 'auto']}, "
+                             f"got {self.drafter_dtypes} (auto resolved)")
         if any(not isinstance(n, int) or n < 1 for n in self.draft_lens):
             raise ValueError(f"draft_lens must be positive integers, got {self.draft_lens}")
+
+
+def native_bf16() -> bool:
+    """True when this CPU multiplies bfloat16 natively (oneDNN's bfloat16 kernels: AVX512-BF16, AMX)."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(check is not None and check())
+    except RuntimeError:
+        return False
+
+
+def resolve_dtype(name: str) -> str:
+    """A drafter dtype name, with "auto" → bfloat16 where it is native (CUDA, or a CPU with bfloat16
+    matmuls), float32 elsewhere."""
+    if name != "auto":
+        return name
+    return "bfloat16" if torch.cuda.is_available() or native_bf16() else "float32"
+
+
+def cpu_description() -> str:
+    """The CPU as the benchmark tables need it: vector extension, bfloat16 support, threads."""
+    bf16 = "native bfloat16" if native_bf16() else "no native bfloat16"
+    return f"CPU {torch.backends.cpu.get_cpu_capability()}, {bf16}, {torch.get_num_threads()} threads"
 
 
 # -- models and prompts -----------------------------------------------------------------------------
@@ -329,10 +356,11 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str]) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(datetime.date.today()), machine=platform.platform(),
-                torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg), sources=sources)
+    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(datetime.date.today()),
+                machine=platform.platform(), cpu=cpu_description(), torch_threads=torch.get_num_threads(),
+                config=dataclasses.asdict(cfg), sources=sources)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}.", "",
+    lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['cpu']}.", "",
              *[f"- {name}: {src}" for name, src in sources.items()], "",
              "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR |",
              "|---|---|---|---|---|---|---|---|"]

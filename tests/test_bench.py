@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from dflash2.bench import ALL_METHODS, main
 
 
@@ -31,6 +33,7 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     ar = [r for r in rows if r["method"] == "ar"]
     assert all(r["speedup"] == 1.0 for r in ar)
     assert set(data["meta"]["sources"]) == {"humaneval", "stdlib_heldout"}
+    assert data["meta"]["cpu"].startswith("CPU ") and data["meta"]["cpu"] in (out / "results.md").read_text()
     assert (out / "results.md").read_text().count("\n| ") >= len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
 
@@ -52,3 +55,17 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
     assert by["dflash2_walk"]["drafter_dtype"] == "float32" and by["dflash2_walk_bf16"]["drafter_dtype"] == "bfloat16"
     assert by["dflash2_walk_bf16"]["tau_gap_vs_top1"] == by["dflash2_walk_bf16"]["tau"] - by["dflash2_argmax_bf16"]["tau"]
     assert main(["--quick", f"out={out}", "drafter_dtypes=[float8]"]) == 2
+
+
+def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
+    """auto: bfloat16 only where it is native (a CPU with bfloat16 matmuls, or CUDA); the CPU is named."""
+    import dflash2.bench as bench
+
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    for native, want in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(bench, "native_bf16", lambda: native)
+        assert bench.BenchConfig(drafter_dtypes=["auto"]).drafter_dtypes == [want]
+        assert bench.BenchConfig(drafter_dtypes=["float32", "bfloat16"]).drafter_dtypes == ["float32", "bfloat16"]
+        assert ("no native bfloat16" in bench.cpu_description()) == (not native)
+    with pytest.raises(ValueError, match="distinct"):
+        bench.BenchConfig(drafter_dtypes=["float32", "auto"])  # auto is float32 here: the same dtype twice

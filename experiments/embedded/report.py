@@ -146,7 +146,8 @@ def main() -> int:
                   "speedup is the median of per-prompt ratios to AR measured back to back. `dflash2_tree15` has the "
                   "target check a 15-node token tree from the DFlash-2 lattice in one pass of 16 tokens (as many as "
                   "a path over the whole block). Rows ending in `_bf16` run the same drafters in bfloat16 while the "
-                  "target stays float32, so the output is the same (native bfloat16 on this CPU).", "",
+                  "target stays float32, so the output is the same; bfloat16 drafters pay off only on a CPU with "
+                  "native bfloat16 matmuls (the command line below names the CPU).", "",
                   bench.read_text(), ""]
         bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
         lines += ["Time per round (ms; drafter + selector = draft):", "",
@@ -177,8 +178,7 @@ def main() -> int:
                             "runs the same drafter's whole block but proposes only its first n positions (drafter "
                             "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. "
                             "`dflash2_tree<M>` verifies an M-node token tree per row in the same batched pass (each "
-                            "row's nodes at their own depths, each seeing its ancestors). Drafters run in bfloat16 "
-                            "(`_bf16`), the target in float32.")
+                            "row's nodes at their own depths, each seeing its ancestors). " + _dtype_note("bench_concurrency"))
     lines += _ablation_section() + _profile_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
@@ -251,6 +251,14 @@ def _cprofile_lines() -> list[str]:
     return [f"`{meta['command'].strip()}` ({meta['date']}, {meta['threads']} thread, cProfile over {meta['rounds']} "
             f"rounds of whole `spec_generate` calls; {meta['source']}): {reading}.", "",
             "| share of wall time | % |", "|---|---|", *[f"| {k} | {100 * v:.0f} |" for k, v in data["shares"].items()], ""]
+
+
+def _dtype_note(name: str) -> str:
+    """What the run's drafters ran in (`drafter_dtypes: auto` depends on the CPU); the target is float32."""
+    data = _load(f"{name}/results.json")
+    dtypes = sorted({r["drafter_dtype"] for r in data["rows"] if "drafter_dtype" in r}) if data else []
+    return f"Drafters run in {' and '.join(dtypes) or 'float32'} (`drafter_dtypes: auto`: bfloat16 only on a CPU " \
+           "with native bfloat16 matmuls), the target in float32."
 
 
 def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
