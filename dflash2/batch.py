@@ -192,7 +192,8 @@ def _prefill(tgt: TargetAdapter, prompts: list[Tensor]):
         ids[r, T - len(p):], valid[r, T - len(p):] = p.cpu(), True
     pos = (valid.long().cumsum(1) - 1).clamp_min(0)
     cache = tgt.new_cache()
-    step = tgt.forward_masked(ids, pos, pos, valid[:, None, :] & torch.ones(T, T, dtype=torch.bool).tril(), cache)
+    step = tgt.forward_masked(ids, pos, pos, valid[:, None, :] & torch.ones(T, T, dtype=torch.bool).tril(), cache,
+                              keep_logits=1)  # left padding: column T-1 is every row's last prompt token
     features = [None if step.features is None else step.features[r: r + 1, valid[r]] for r in range(len(prompts))]
     return cache, valid, pos, step.logits[:, -1], features
 

@@ -130,7 +130,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     finish = "length"
     if max_new_tokens > 0:
         cache, draft_cache = tgt.new_cache(), drafter.new_cache()
-        step = tgt.forward(prompt, cache)  # logits [1, T, V], features [1, T, F]
+        step = tgt.forward(prompt, cache, keep_logits=1)  # logits [1, 1, V] (the last position's), features [1, T, F]
         anchor = _choose(step.logits[0, -1], params, rng)
         tokens.append(anchor)
         new_features = step.features

@@ -5,7 +5,7 @@ Everything version-specific about transformers' cache API lives here: the name o
 of the package sees a few operations with explicit state:
 
     cache = adapter.new_cache()
-    step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V], features [1, T, F] or None
+    step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V] ([1, n, V] with keep_logits=n), features [1, T, F] or None
     adapter.rollback(cache, step, keep)          # keep only the first `keep` of the step's T tokens
     step  = adapter.forward_tree(anchor, tree, cache)  # [anchor, M tree nodes] in one pass
     adapter.keep(cache, step, rows)              # keep the step's tokens at `rows` (a path), drop the rest
@@ -94,6 +94,7 @@ class TargetAdapter:
             raise ValueError(f"target_layer_ids {bad} out of range: the target has layers 0..{self.num_layers - 1}")
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._keeps_logits = "logits_to_keep" in params  # HF's: only the last n positions through the LM head
         self._head_copy: tuple[tuple, tuple[Tensor, Tensor | None]] | None = None  # see lm_logits
 
     # -- facts about the target ------------------------------------------------------------------
@@ -130,17 +131,18 @@ class TargetAdapter:
         return cache
 
     @torch.no_grad()
-    def forward(self, input_ids: Tensor, cache: DynamicCache) -> TargetStep:
-        """Run ids [1, T] after the cached positions; the cache grows by T."""
+    def forward(self, input_ids: Tensor, cache: DynamicCache, keep_logits: int | None = None) -> TargetStep:
+        """Run ids [1, T] after the cached positions; the cache grows by T. keep_logits=n: logits of the
+        last n positions only ([1, n, V]; a prefill needs one row, not T × vocabulary)."""
         want = bool(self.layer_ids)
         start = cache.get_seq_length()
         snapshot = _snapshot(cache) if self.hybrid and start > 0 else None
         out = self.model(input_ids=input_ids, use_cache=True, output_hidden_states=want,
-                         **{self._cache_kw: cache})
+                         **{self._cache_kw: cache}, **self._logits_kw(keep_logits))
         features = None
         if want:  # hidden_states[i + 1] is the output of layer i
             features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
-        return TargetStep(out.logits, features, input_ids, start, snapshot)
+        return TargetStep(_last(out.logits, keep_logits), features, input_ids, start, snapshot)
 
     @torch.no_grad()
     def rollback(self, cache: DynamicCache, step: TargetStep, keep: int) -> None:
@@ -178,12 +180,13 @@ class TargetAdapter:
         return self.forward_masked(ids, q_pos, k_pos, allowed, cache)
 
     @torch.no_grad()
-    def forward_masked(self, ids: Tensor, q_pos: Tensor, k_pos: Tensor, allowed: Tensor, cache: DynamicCache
-                       ) -> TargetStep:
+    def forward_masked(self, ids: Tensor, q_pos: Tensor, k_pos: Tensor, allowed: Tensor, cache: DynamicCache,
+                       keep_logits: int | None = None) -> TargetStep:
         """The general pass behind trees and batches: ids [R, W] at positions q_pos [R, W] after the
         cache's S slots; k_pos [R, S+W] the position of every key slot (cached, then new); allowed
         [R, W, S+W] which keys each query may see. Sliding-window layers also drop keys farther than
-        their window (by position, so holes and trees are handled). The cache grows by W slots."""
+        their window (by position, so holes and trees are handled). The cache grows by W slots.
+        keep_logits=n: logits of the last n columns only ([R, n, V])."""
         if self.hybrid:
             raise NotImplementedError("custom attention masks need an attention-only target")
         dtype = self.model.get_input_embeddings().weight.dtype
@@ -196,9 +199,16 @@ class TargetAdapter:
         start = cache.get_seq_length()
         with masked_gqa(self.config):  # grouped heads without copying the cache per head (target_attention.py)
             out = self.model(input_ids=ids.to(self.device), position_ids=q_pos.to(self.device), attention_mask=mask,
-                             use_cache=True, output_hidden_states=want, **{self._cache_kw: cache})
+                             use_cache=True, output_hidden_states=want, **{self._cache_kw: cache},
+                             **self._logits_kw(keep_logits))
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if want else None
-        return TargetStep(out.logits, features, ids, start, None)
+        return TargetStep(_last(out.logits, keep_logits), features, ids, start, None)
+
+    def _logits_kw(self, keep_logits: int | None) -> dict[str, int]:
+        if keep_logits is not None and (isinstance(keep_logits, bool) or not isinstance(keep_logits, int)
+                                        or keep_logits < 1):
+            raise ValueError(f"keep_logits must be None or a positive integer, got {keep_logits!r}")
+        return {"logits_to_keep": keep_logits} if keep_logits is not None and self._keeps_logits else {}
 
     def select_rows(self, cache: DynamicCache, rows: Tensor) -> None:
         """Keep only the batch rows `rows` of the cache (finished sequences stop costing compute).
@@ -305,6 +315,11 @@ class TargetAdapter:
                 cast = (head.weight.to(dtype), None if bias is None else bias.to(dtype))
             self._head_copy = (key, cast)
         return self._head_copy[1]
+
+
+def _last(logits: Tensor, keep: int | None) -> Tensor:
+    """logits [R, T, V] → their last `keep` positions (a model without `logits_to_keep` gives all T)."""
+    return logits if keep is None else logits[:, -keep:]
 
 
 def cat_rows_left_padded(a: Tensor, b: Tensor, slot_dim: int) -> Tensor:

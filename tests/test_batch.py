@@ -101,7 +101,7 @@ def test_rows_accept_different_lengths_and_finished_rows_leave():
     adapter = TargetAdapter(target, (0,))
     widths = []
     forward = adapter.forward_masked
-    adapter.forward_masked = lambda ids, *a: widths.append(ids.shape[0]) or forward(ids, *a)
+    adapter.forward_masked = lambda ids, *a, **kw: widths.append(ids.shape[0]) or forward(ids, *a, **kw)
     results = spec_generate_batch(RowOracle(6, refs, [3, 4, 0]), adapter, *left_pad(prompts), max_new_tokens=30,
                                   stop_token_ids=[stop])
     assert [r.sequences[0].tolist() for r in results] == expected
@@ -121,8 +121,9 @@ def test_continuous_batching_admits_waiting_rows_as_others_finish():
     adapter = TargetAdapter(target, (0,))
     passes = []  # (rows, is prefill) of every target pass
     forward = adapter.forward_masked
-    adapter.forward_masked = lambda ids, q, k, allowed, c: passes.append(
-        (ids.shape[0], bool((q == k[:, -q.shape[1]:]).all() and k.shape[1] == q.shape[1]))) or forward(ids, q, k, allowed, c)
+    adapter.forward_masked = lambda ids, q, k, allowed, c, **kw: passes.append(
+        (ids.shape[0], bool((q == k[:, -q.shape[1]:]).all() and k.shape[1] == q.shape[1]))) or \
+        forward(ids, q, k, allowed, c, **kw)
     results = spec_generate_batch(RowOracle(6, refs, [3, 4, 0, 5, 2]), adapter, *left_pad(prompts),
                                   max_new_tokens=30, stop_token_ids=[stop], concurrency=2)
     assert [r.sequences[0].tolist() for r in results] == expected

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
-from tests.helpers import MASK, hf_greedy, oracle_drafter, tiny_target
+from tests.helpers import MASK, hf_greedy, needs_hybrid_transformers, oracle_drafter, tiny_target
 
 
 class CheckingAdapter(TargetAdapter):
@@ -22,9 +22,9 @@ class CheckingAdapter(TargetAdapter):
         self.ids: list[int] = []
         self.checked = 0
 
-    def forward(self, input_ids, cache):
+    def forward(self, input_ids, cache, keep_logits=None):
         self.ids += input_ids[0].tolist()
-        return super().forward(input_ids, cache)
+        return super().forward(input_ids, cache, keep_logits)
 
     def rollback(self, cache, step, keep):
         super().rollback(cache, step, keep)
@@ -126,3 +126,35 @@ def test_target_cache_appends_in_place_and_survives_crops_and_row_changes():
     same()
     run(ids(40, rows=2))  # past the buffer's capacity
     same()
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "gemma3", pytest.param("qwen3_5", marks=needs_hybrid_transformers)])
+def test_prefill_keeps_only_the_last_logits(arch):
+    """A prefill needs the last position's logits, not T × vocabulary (600 MB for 1000 tokens of a 151k
+    vocabulary in float32): keep_logits=1 gives exactly that row, the same features and the same cache."""
+    target = tiny_target(arch)
+    adapter = TargetAdapter(target, (0, 1))
+    ids = torch.tensor([[3, 9, 4, 1, 7, 2, 8]])
+    caches = [adapter.new_cache(), adapter.new_cache()]
+    full, last = adapter.forward(ids, caches[0]), adapter.forward(ids, caches[1], keep_logits=1)
+    assert last.logits.shape == (1, 1, full.logits.shape[-1])
+    assert torch.allclose(last.logits, full.logits[:, -1:], atol=1e-12, rtol=0)
+    assert torch.equal(last.features, full.features)
+    after = [adapter.forward(torch.tensor([[5]]), c).logits for c in caches]
+    assert torch.allclose(after[0], after[1], atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="keep_logits"):
+        adapter.forward(ids, adapter.new_cache(), keep_logits=0)
+
+
+def test_keep_logits_without_the_model_keyword_slices():
+    """Models whose forward lacks `logits_to_keep` compute every row; the adapter still returns the last."""
+    adapter = TargetAdapter(tiny_target("qwen3"))
+    ids = torch.tensor([[3, 9, 4, 1]])
+    full = adapter.forward(ids, adapter.new_cache()).logits
+    adapter._keeps_logits = False
+    assert torch.equal(adapter.forward(ids, adapter.new_cache(), keep_logits=2).logits, full[:, -2:])
+    T = ids.shape[1]
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]
+    pos = torch.arange(T)[None]
+    assert torch.allclose(adapter.forward_masked(ids, pos, pos, allowed, adapter.new_cache(), keep_logits=1).logits,
+                          full[:, -1:], atol=1e-12, rtol=0)
