@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import TargetAdapter, TorchRandom, load_embedded  # noqa: E402
+from dflash2.bench import cpu_description  # noqa: E402
 from dflash2.prompt_sets import load_prompts  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def main() -> int:
 
     result = dict(meta=dict(command="python " + " ".join(sys.argv), date=str(datetime.date.today()),
                             machine=platform.platform(), threads=args.threads, repeats=args.repeats,
-                            drafter_dtype=args.drafter_dtype),
+                            drafter_dtype=args.drafter_dtype, cpu=cpu_description()),
                   single_row_ms=single, batched_drafting_ms=batched,
                   batched_drafting_speedup=batched["before"] / batched["after"])
     args.out.parent.mkdir(parents=True, exist_ok=True)

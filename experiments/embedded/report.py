@@ -53,8 +53,11 @@ def main() -> int:
     lines = [
         "# Results",
         "",
-        f"Machine: {platform.platform()}, 2 CPU cores. Written by `python experiments/embedded/report.py` on "
-        f"{datetime.date.today()}; every number below comes from a script named beside it.",
+        f"Written by `python experiments/embedded/report.py` on {datetime.date.today()} ({platform.platform()}); every "
+        "number below comes from a script named beside it. The 2-core x86_64 machines of this project differ "
+        "between sessions (some have AVX512 with native bfloat16, some only AVX2, with 1.5-2x slower matmuls): "
+        "each benchmark table's command line names the machine and CPU it ran on, and speeds compare only "
+        "within one table.",
         "",
         "## The embedded target",
         "",
@@ -232,7 +235,8 @@ def _profile_section() -> list[str]:
         return []
     meta, b = data["meta"], data["batched_drafting_ms"]
     return ["## Where a round's time goes", "",
-            f"`{meta['command']}` ({meta['date']}, {meta['threads']} threads, medians of {meta['repeats']}).", "",
+            f"`{meta['command']}` ({meta['date']}, {meta.get('cpu', str(meta['threads']) + ' threads')}, medians of "
+            f"{meta['repeats']}).", "",
             "| stage | ms |", "|---|---|", *[f"| {k} | {v:.2f} |" for k, v in data["single_row_ms"].items()], "",
             f"Drafting 8 rows (the drafter's dtype: {meta.get('drafter_dtype', 'float32')}), each row alone "
             f"(`propose` row by row) against all rows in one pass over their `ContextBatch` (`propose_batch`), "
