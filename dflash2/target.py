@@ -52,12 +52,12 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 # Recurrent layer types rolled back by snapshot and replay.
 ROLLBACK_LAYER_TYPES = frozenset({"linear_attention"})
 # Recurrent-state families without a `layer_types` field.
+RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "jamba", "zamba", "zamba2",
+                                   "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 # The first transformers release whose hybrid models (Qwen3.5) run with our snapshot/replay rollback:
 # 5.3.0 fails inside the model (its cache lacks `has_previous_state`), 5.5.4 and 5.6.2 give wrong greedy
 # tokens without an error, 5.7.0 .. 5.24.0 pass tests/test_hybrid_targets.py (measured 2026-12-01).
 HYBRID_MIN_TRANSFORMERS = (5, 7)
-RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "jamba", "zamba", "zamba2",
-                                   "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 
 
 class TargetStep(NamedTuple):

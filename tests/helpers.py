@@ -73,10 +73,11 @@ def _hybrid_configs(vocab: int) -> dict[str, tuple[type, object]]:
 ARCHITECTURES = tuple(_configs(VOCAB))
 MORE_ARCHITECTURES = tuple(_more_configs(VOCAB))
 HYBRID_ARCHITECTURES = tuple(_hybrid_configs(VOCAB))
-# Older releases are refused by TargetAdapter (HYBRID_MIN_TRANSFORMERS); test_target_adapter checks the refusal.
+# Older releases are refused by TargetAdapter (HYBRID_MIN_TRANSFORMERS): tests/test_errors.py checks the refusal.
 needs_hybrid_transformers = pytest.mark.skipif(
     transformers_version() < HYBRID_MIN_TRANSFORMERS,
-    reason=f"hybrid targets need transformers >= {HYBRID_MIN_TRANSFORMERS}, this is {transformers.__version__}")
+    reason=f"hybrid targets need transformers >= {'.'.join(map(str, HYBRID_MIN_TRANSFORMERS))}, "
+           f"this is {transformers.__version__}")
 # Random tiny hybrids have recurrent states ~1e-4: too weak for a stale state to flip a greedy token.
 # Scaling the linear-attention projections makes the recurrence matter (plain crop then diverges).
 LINEAR_ATTENTION_SCALE = 20.0
