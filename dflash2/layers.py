@@ -70,7 +70,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
         if flash is not None:  # flash-attn takes [N, T, h, d] and handles GQA itself
             out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
             return out.transpose(1, 2)
-    if groups > 1 and _SDPA_GQA:  # the kernel reads each K/V head for its group of query heads
+    if groups > 1 and SDPA_GQA:  # the kernel reads each K/V head for its group of query heads
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -78,7 +78,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa is new in 2.5
+SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa is new in 2.5
 
 
 def _flash_attn_func():

@@ -20,12 +20,12 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .layers import SDPA_GQA
+
 NAME = "dflash2_masked_sdpa"
-_SDPA_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa is new in 2.5
 
 
 def masked_gqa_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -35,7 +35,7 @@ def masked_gqa_attention(module, query: Tensor, key: Tensor, value: Tensor, atte
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     plain = kwargs.get("softcap") is None and kwargs.get("position_bias") is None
-    if (plain and attention_mask is not None and query.device.type == "cpu" and _SDPA_GQA
+    if (plain and attention_mask is not None and query.device.type == "cpu" and SDPA_GQA
             and query.shape[1] != key.shape[1]):
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                              scale=scaling, enable_gqa=True)
