@@ -18,6 +18,10 @@ to `out`. Methods:
     dflash2_walk_L<n> with `draft_lens: [n, ...]`: the walk drafter still runs its whole block but
                      proposes only the first n positions (drafter config `draft_len`), so the target
                      verifies n + 1 tokens per row instead of B
+    dflash2_walk_V<n>, dflash2_tree<M>_V<n>
+                     with `draft_vocabs: [n, ...]`: the walk and tree rows again with the drafter's LM
+                     head over the n most frequent tokens of `token_counts` (a safetensors file of
+                     `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
 
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
@@ -41,6 +45,7 @@ import dataclasses
 import datetime
 import json
 import platform
+import re
 import statistics
 import sys
 import time
@@ -50,6 +55,7 @@ from typing import Any, Callable
 
 import torch
 
+from .draft_vocab import load_counts, most_frequent
 from .drafter import DFlash2Drafter
 from .batch import ar_generate_batch, spec_generate_batch
 from .loop import ar_generate, spec_generate
@@ -79,6 +85,8 @@ class BenchConfig:
     methods: list[str] = field(default_factory=lambda: list(ALL_METHODS))
     tree_nodes: list[int] = field(default_factory=lambda: [32])
     draft_lens: list[int] = field(default_factory=list)  # extra dflash2_walk_L<n> rows
+    draft_vocabs: list[int] = field(default_factory=list)  # extra dflash2_walk_V<n>, dflash2_tree<M>_V<n> rows
+    token_counts: str = "embedded"  # ranks the draft vocabularies: "embedded" or a draft_vocab.save_counts file
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target
     # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.
@@ -106,6 +114,8 @@ class BenchConfig:
                              f"got {self.drafter_dtypes} (auto resolved)")
         if any(not isinstance(n, int) or n < 1 for n in self.draft_lens):
             raise ValueError(f"draft_lens must be positive integers, got {self.draft_lens}")
+        if any(not isinstance(n, int) or n < 1 for n in self.draft_vocabs):
+            raise ValueError(f"draft_vocabs must be positive integers, got {self.draft_vocabs}")
 
 
 def native_bf16() -> bool:
@@ -240,14 +250,25 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 yield f"dflash2_tree{m}{suffix}", walk, dict(verify="tree", tree_nodes=m)
             for n in cfg.draft_lens:
                 yield f"dflash2_walk_L{n}{suffix}", walk.with_config(draft_len=n), {}
+            for n in cfg.draft_vocabs:
+                small = walk.with_draft_vocab(most_frequent(_token_counts(cfg), n))
+                yield f"dflash2_walk_V{n}{suffix}", small, {}
+                for m in cfg.tree_nodes:
+                    yield f"dflash2_tree{m}_V{n}{suffix}", small, dict(verify="tree", tree_nodes=m)
+
+
+def _token_counts(cfg: BenchConfig) -> torch.Tensor:
+    from .embedded import token_counts
+
+    return token_counts() if cfg.token_counts == "embedded" else load_counts(cfg.token_counts)
 
 
 def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
-    """The methods cfg.methods names; dflash2_tree<M> and dflash2_walk_L<n> come with their family."""
+    """The methods cfg.methods names; dflash2_tree<M>, dflash2_walk_L<n> and _V<n> come with their family."""
     def wanted(name: str) -> bool:
         name = name.removesuffix(DTYPE_SUFFIX[drafter_dtype(name)])
         return (name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)
-                or (name.startswith("dflash2_walk_L") and "dflash2_walk" in cfg.methods))
+                or (name.startswith(("dflash2_walk_L", "dflash2_walk_V")) and "dflash2_walk" in cfg.methods))
     return {name: fn for name, fn in methods.items() if wanted(name)}
 
 
@@ -347,6 +368,9 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
         if r["method"].startswith("dflash"):
             r["drafter_dtype"] = drafter_dtype(r["method"])
             suffix = DTYPE_SUFFIX[r["drafter_dtype"]]
+            vocab = re.search(r"_V(\d+)", r["method"])
+            if vocab:
+                r["draft_vocab"] = int(vocab.group(1))
             top1 = next((x["tau"] for x in rows if x["method"] == "dflash2_argmax" + suffix), None)
             if top1 is not None and r["method"] in ("dflash2_walk" + suffix, "dflash2_viterbi" + suffix):
                 r["tau_gap_vs_top1"] = r["tau"] - top1

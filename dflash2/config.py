@@ -49,6 +49,10 @@ class DFlash2Config:
     selector: str = "walk"
     selector_top_k: int = 16
     selector_rank: int = 256
+    # -- draft vocabulary (FR-Spec style) --------------------------------------------------------
+    draft_vocab_size: int | None = None  # the LM head drafts among this many token ids only (the drafter's
+    #                                     `draft_vocab` buffer, e.g. a corpus's most frequent tokens); the
+    #                                     target still verifies over the whole vocabulary, so nothing is lost
     # -- options of the reference checkpoint format ----------------------------------------------
     input_embedding_scale: float | None = None  # block embeddings × scale
     output_multiplier: float | None = None  # draft logits × multiplier
@@ -103,6 +107,11 @@ class DFlash2Config:
             _check(isinstance(self.context_window, int) and self.context_window >= self.block_size,
                    f"context_window must be None or an integer >= block_size ({self.block_size}), "
                    f"got {self.context_window!r}")
+        if self.draft_vocab_size is not None:
+            _check(isinstance(self.draft_vocab_size, int) and not isinstance(self.draft_vocab_size, bool)
+                   and self.selector_top_k <= self.draft_vocab_size <= self.vocab_size,
+                   f"draft_vocab_size must be None or an integer in selector_top_k..vocab_size "
+                   f"({self.selector_top_k}..{self.vocab_size}), got {self.draft_vocab_size!r}")
         if self.draft_len is not None:
             _check(isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool) and self.draft_len >= 1,
                    f"draft_len must be None or a positive integer, got {self.draft_len!r}")

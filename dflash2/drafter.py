@@ -5,6 +5,7 @@ One round of drafting (batch 1 at inference):
     new target features [1, n, F] ──extend_context──► ContextCache (per-layer K/V, kept across rounds)
     [anchor, MASK × (B-1)] ──target embedding──► [1, B, H] ──backbone──► hidden [1, B, H]
     hidden[:, 1:] ──target LM head──► logits [1, L, V] ──CandidateHead──► ids, U [L, K]
+        (with a draft vocabulary, the head's rows of those V' ids only: logits [1, L, V'])
     (ids, U, hidden[1:], anchor) ──selector──► Draft(tokens [L], q or None)
 
 The drafter holds no embedding or LM head: it borrows the target's (frozen), through the adapter.
@@ -41,6 +42,8 @@ class DFlash2Drafter(nn.Module):
         self.backbone = BlockDiffusionBackbone(config)
         self.candidates = CandidateHead(config.selector_top_k)
         self.candidate_selector = build_selector(config)
+        n = config.draft_vocab_size  # the token ids the LM head drafts among (None: all of them)
+        self.register_buffer("draft_vocab", None if n is None else torch.arange(n))
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -84,6 +87,9 @@ class DFlash2Drafter(nn.Module):
         directory = Path(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if format == "reference":
+            if self.draft_vocab is not None:
+                raise ValueError("the reference format has no draft vocabulary; save "
+                                 "with_config(draft_vocab_size=None) or use format='dflash2'")
             meta = reference_format.reference_from_config(self.config)
             tensors = reference_format.reference_from_state(tensors, self.config.extra.get("codebook_suffix", False))
         else:
@@ -121,6 +127,8 @@ class DFlash2Drafter(nn.Module):
             if wrong:
                 raise ValueError(f"checkpoint tensors with wrong shapes: {wrong}")
         model.load_state_dict(state, strict=True)
+        if model.draft_vocab is not None:
+            _check_draft_vocab(model.draft_vocab, model.config.vocab_size, model.config.selector_top_k)
         return model.to(device=device, dtype=dtype or stored)
 
     def with_config(self, **changes: Any) -> "DFlash2Drafter":
@@ -130,10 +138,25 @@ class DFlash2Drafter(nn.Module):
         config = self.config.replace(**changes)
         if config.selector != "argmax" and self.config.selector == "argmax":
             raise ValueError(f"selector {config.selector!r} needs trained codebooks; this drafter has none (argmax)")
+        if config.draft_vocab_size not in (None, self.config.draft_vocab_size):
+            raise ValueError("a draft vocabulary needs its token ids: use with_draft_vocab(ids)")
         state = self.state_dict()
         if config.selector == "argmax":
             state = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}
+        if config.draft_vocab_size is None:
+            state.pop("draft_vocab", None)
         return self._copy(config, state)[0]
+
+    def with_draft_vocab(self, token_ids: Tensor | list[int]) -> "DFlash2Drafter":
+        """A copy whose LM head drafts among `token_ids` only (FR-Spec: e.g. `draft_vocab.most_frequent(
+        counts, n)`), with the same weights. Drafting reads n rows of the target's head instead of V,
+        and top-K runs over n logits; verification is unchanged, so outputs are still the target's own,
+        only acceptance may drop where the target picks a token outside the set."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long).flatten().sort().values
+        _check_draft_vocab(ids, self.config.vocab_size, self.config.selector_top_k)
+        state = {k: v for k, v in self.state_dict().items() if k != "draft_vocab"}
+        state["draft_vocab"] = ids.to(self.backbone.fc.weight.device)
+        return self._copy(self.config.replace(draft_vocab_size=ids.numel()), state)[0]
 
     def _copy(self, config: DFlash2Config, state: dict[str, Tensor], strict: bool = True):
         """A new drafter of `config` on this one's device, dtype and train mode, loaded with `state`
@@ -249,7 +272,7 @@ class DFlash2Drafter(nn.Module):
         x = self.embed_block(ids, target)
         hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
                                slots=slots)[:, 1:]  # [R, L, H]
-        return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [R, L, K]
+        return hidden, self.draft_candidates(hidden, target)  # ids, U: [R, L, K]
 
     def _lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
         """Scores of the B×K lattice: first [..., K] from the anchor, steps [..., L-1, K, K] (the
@@ -262,7 +285,15 @@ class DFlash2Drafter(nn.Module):
     def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""
         hidden = self.block_hidden(cache, anchor, target, rows=L + 1)[0, 1:]  # [L, H]
-        return hidden, self.candidates(self.draft_logits(hidden, target))  # ids, U: [L, K]
+        return hidden, self.draft_candidates(hidden, target)  # ids, U: [L, K]
+
+    def draft_candidates(self, hidden: Tensor, target: TargetAdapter) -> Candidates:
+        """hidden [..., H] → the top-K candidates (ids, U [..., K]) of each position: over the whole
+        vocabulary, or over the draft vocabulary (its logits [..., V'], ids mapped back to token ids)."""
+        if self.draft_vocab is None:
+            return self.candidates(self.draft_logits(hidden, target))
+        ids, scores = self.candidates(self.draft_logits(hidden, target, vocab=self.draft_vocab))
+        return Candidates(self.draft_vocab[ids], scores)
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
         """block ids [...] → [..., H] through the target's embedding (× input_embedding_scale)."""
@@ -270,10 +301,10 @@ class DFlash2Drafter(nn.Module):
         scale = self.config.input_embedding_scale
         return x if scale is None else x * scale
 
-    def draft_logits(self, hidden: Tensor, target: TargetAdapter) -> Tensor:
-        """hidden [..., H] → logits [..., V] through the target's LM head, then the reference's
-        output multiplier and soft-capping when configured."""
-        logits = target.lm_logits(hidden)
+    def draft_logits(self, hidden: Tensor, target: TargetAdapter, vocab: Tensor | None = None) -> Tensor:
+        """hidden [..., H] → logits [..., V] through the target's LM head (or [..., V'] of the token ids
+        `vocab` [V'] only), then the reference's output multiplier and soft-capping when configured."""
+        logits = target.lm_logits(hidden, vocab)
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
@@ -288,6 +319,18 @@ class DFlash2Drafter(nn.Module):
         positions = torch.arange(cache.length, cache.length + B, device=device)
         x = self.embed_block(ids, target)  # [1, B, H]
         return self.backbone(x, positions, list(zip(cache.keys, cache.values)), rows=rows)
+
+
+def _check_draft_vocab(ids: Tensor, vocab_size: int, top_k: int) -> None:
+    """A draft vocabulary is distinct, sorted token ids of the target, at least top-K of them."""
+    if ids.dtype != torch.long or ids.dim() != 1:
+        raise ValueError(f"a draft vocabulary is a 1-d long tensor of token ids, got {ids.dtype} {tuple(ids.shape)}")
+    if ids.numel() < top_k:
+        raise ValueError(f"a draft vocabulary needs at least selector_top_k = {top_k} token ids, got {ids.numel()}")
+    if bool((ids < 0).any() | (ids >= vocab_size).any()):
+        raise ValueError(f"draft vocabulary token ids must lie in 0..{vocab_size - 1}")
+    if bool((ids[1:] <= ids[:-1]).any()):
+        raise ValueError("draft vocabulary token ids must be distinct (and are kept sorted)")
 
 
 def _rope_theta(config) -> float:

@@ -95,7 +95,7 @@ class TargetAdapter:
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._keeps_logits = "logits_to_keep" in params  # HF's: only the last n positions through the LM head
-        self._head_copy: tuple[tuple, tuple[Tensor, Tensor | None]] | None = None  # see lm_logits
+        self._head_copies: list[tuple[tuple, tuple[Tensor, Tensor | None]] | None] = [None, None]  # see _head_in
 
     # -- facts about the target ------------------------------------------------------------------
     @property
@@ -288,33 +288,43 @@ class TargetAdapter:
         """ids [...] → [..., H] with the target's frozen input embedding."""
         return self.model.get_input_embeddings()(ids)
 
-    def lm_logits(self, hidden: Tensor) -> Tensor:
+    def lm_logits(self, hidden: Tensor, vocab: Tensor | None = None) -> Tensor:
         """hidden [..., H] → [..., V] with the target's frozen LM head (differentiable in `hidden`:
-        training backpropagates through it; the head's own weights stay frozen).
+        training backpropagates through it; the head's own weights stay frozen). With `vocab` [V']
+        (token ids) → [..., V']: the logits of those tokens only, from those rows of the head.
 
         A drafter may run in another dtype than the target (e.g. a bfloat16 drafter for a float32
         target: the draft never changes what is committed, only how often it is accepted). Its
-        hidden states then go through a copy of the head in their dtype, cast once and kept."""
+        hidden states then go through a copy of the head in their dtype, cast once and kept; so do
+        the rows of a draft vocabulary."""
         head = self.model.get_output_embeddings()
         flat = as_rows(hidden)  # [n, H]
-        if hidden.dtype == head.weight.dtype:
-            logits = head(flat)
-        elif not isinstance(head, nn.Linear):  # a head with its own forward: run it in its dtype
+        if not isinstance(head, nn.Linear):  # a head with its own forward: run it in its dtype, then pick
             logits = head(flat.to(head.weight.dtype)).to(hidden.dtype)
+            logits = logits if vocab is None else logits[:, vocab]
+        elif vocab is not None:
+            logits = F.linear(flat, *self._head_in(hidden.dtype, vocab))
+        elif hidden.dtype == head.weight.dtype:
+            logits = head(flat)
         else:
             logits = F.linear(flat, *self._head_in(hidden.dtype))
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
-    def _head_in(self, dtype: torch.dtype) -> tuple[Tensor, Tensor | None]:
-        """The LM head's weight and bias cast to `dtype`, recast only when the head changes."""
+    def _head_in(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
+        """The LM head's weight and bias (their `vocab` rows) cast to `dtype`, redone only when the
+        head or the rows change. One copy is kept for the whole head and one for a draft vocabulary."""
         head = self.model.get_output_embeddings()
         bias = getattr(head, "bias", None)
         key = (dtype, head.weight.data_ptr(), head.weight._version)
-        if self._head_copy is None or self._head_copy[0] != key:
+        if vocab is not None:
+            key += (vocab.data_ptr(), vocab._version, vocab.numel())
+        slot = 0 if vocab is None else 1
+        if self._head_copies[slot] is None or self._head_copies[slot][0] != key:
             with torch.no_grad():
-                cast = (head.weight.to(dtype), None if bias is None else bias.to(dtype))
-            self._head_copy = (key, cast)
-        return self._head_copy[1]
+                rows = slice(None) if vocab is None else vocab.to(head.weight.device)
+                cast = (head.weight[rows].to(dtype).contiguous(), None if bias is None else bias[rows].to(dtype))
+            self._head_copies[slot] = (key, cast)
+        return self._head_copies[slot][1]
 
 
 def _last(logits: Tensor, keep: int | None) -> Tensor:

@@ -57,6 +57,20 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
     assert main(["--quick", f"out={out}", "drafter_dtypes=[float8]"]) == 2
 
 
+def test_draft_vocabs_add_rows_with_a_smaller_lm_head(tmp_path):
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "datasets=[humaneval]", "tree_nodes=[7]",
+                 "methods=[ar,dflash2_walk,dflash2_tree]", "concurrency=[1,2]"]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    for conc in (1, 2):
+        assert {r["method"] for r in rows if r["concurrency"] == conc} == {
+            "ar", "dflash2_walk", "dflash2_tree7", "dflash2_walk_V64", "dflash2_tree7_V64"}
+    assert {r["method"] for r in rows if r.get("draft_vocab") == 64} == {"dflash2_walk_V64", "dflash2_tree7_V64"}
+    assert not any("draft_vocab" in r for r in rows if "_V" not in r["method"])
+    assert main(["--quick", f"out={out}", "draft_vocabs=[0]"]) == 2
+    assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "token_counts=/nonexistent.safetensors"]) == 2
+
+
 def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
     """auto: bfloat16 only where it is native (a CPU with bfloat16 matmuls, or CUDA); the CPU is named."""
     import dflash2.bench as bench

@@ -105,6 +105,15 @@ def test_exact_distribution_block_of_four():
     assert max_abs_diff(got, ar_distribution(params)) < EXACT
 
 
+def test_exact_distribution_with_a_draft_vocabulary():
+    """The walk samples among tokens {0, 2} only (token 1 is never drafted): still the AR distribution."""
+    params, lengths = PARAMS["T0.7_topk2"], set()
+    drafter = dflash("walk", top_k=2).with_draft_vocab([0, 2])
+    got, _ = spec_distribution(drafter, params, lengths=lengths)
+    assert max_abs_diff(got, ar_distribution(params)) < EXACT
+    assert max(lengths) >= 2, "no branch accepted a draft token: the test would be hollow"
+
+
 # -- mutants: each must be caught ----------------------------------------------------------------------
 def fresh_resample_deterministic(tokens, probs, rng):
     for i, d in enumerate(tokens.tolist()):

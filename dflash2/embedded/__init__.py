@@ -4,7 +4,9 @@
 
 Directories (HF-style, safetensors): `tokenizer/`, `target/` (a small Qwen3ForCausalLM trained on the
 Python standard library's source), `dflash2/` and `dflash1/` (drafters trained against it with the
-same data and steps), `ar_draft/` (a small AR model for HF assisted generation baselines).
+same data and steps), `ar_draft/` (a small AR model for HF assisted generation baselines), and
+`token_counts.safetensors` (the target's training corpus counted by token: `token_counts()`, which
+ranks a draft vocabulary, see `dflash2.draft_vocab`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,17 @@ def embedded_path(name: str) -> Path:
 def available(variant: str = "dflash2") -> bool:
     return all((HERE / d / f).is_file() for d, f in (("tokenizer", "tokenizer.json"), ("target", "config.json"),
                                                         (variant, "model.safetensors")))
+
+
+def token_counts() -> torch.Tensor:
+    """Occurrences [V] of every token id in the embedded target's training corpus
+    (experiments/embedded/count_tokens.py)."""
+    from ..draft_vocab import load_counts
+
+    path = HERE / "token_counts.safetensors"
+    if not path.is_file():
+        raise FileNotFoundError(f"the embedded token counts are not in this installation ({path})")
+    return load_counts(path)
 
 
 def load_embedded(variant: str = "dflash2", *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
