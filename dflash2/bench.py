@@ -22,6 +22,9 @@ to `out`. Methods:
                      with `draft_vocabs: [n, ...]`: the walk and tree rows again with the drafter's LM
                      head over the n most frequent tokens of `token_counts` (a safetensors file of
                      `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
+    ..._compiled     with `compile_drafters: true`: the walk and tree rows (and their _V<n> rows) again
+                     with the drafter's backbone through torch.compile (dynamic shapes), batch 1 only;
+                     the target runs eager in every row
 
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
@@ -30,17 +33,22 @@ native bfloat16, such as AVX512-BF16; 5-8x slower matmuls without it, measured o
 `auto` is bfloat16 on a CPU with native bfloat16 matmuls (or on CUDA), float32 otherwise. The
 machine's CPU (vector extension, native bfloat16 or not) is written next to every table.
 
-Speedup is the median over (prompt, repetition) of tokens/s(method) / tokens/s(ar) measured
-back to back. With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also
-serve the whole prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with
-continuous batching: a finished row's place goes to the next prompt, as in a serving engine); tokens/s
-is then the set's total over its wall time and speedup is against batched AR at the same concurrency.
+Before the timed repetitions every batch-1 method runs once untimed on the first prompt (compilation
+and first-call costs). Speedup is the median over (prompt, repetition) of tokens/s(method) /
+tokens/s(ar) measured back to back. Rows of our drafters also compare with the faster of HF prompt
+lookup and HF assisted generation (faster by tokens/s over the set): `speedup_vs_best_hf` is the
+median of the same pairwise ratios against it, `tokens_per_s_vs_best_hf` the ratio of the totals.
+With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) also serve the whole
+prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with continuous
+batching: a finished row's place goes to the next prompt, as in a serving engine); tokens/s is then
+the set's total over its wall time and speedup is against batched AR at the same concurrency.
 `--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import datetime
 import json
@@ -66,6 +74,8 @@ SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # of drafter method names
+COMPILED = "_compiled"  # before the dtype suffix: a drafter whose backbone runs through torch.compile
+HF_BASELINES = ("hf_prompt_lookup", "hf_assisted")  # HF's speculative decoding: the drafters to beat
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
                "dflash2_argmax", "dflash2_tree")
 
@@ -87,6 +97,9 @@ class BenchConfig:
     draft_lens: list[int] = field(default_factory=list)  # extra dflash2_walk_L<n> rows
     draft_vocabs: list[int] = field(default_factory=list)  # extra dflash2_walk_V<n>, dflash2_tree<M>_V<n> rows
     token_counts: str = "embedded"  # ranks the draft vocabularies: "embedded" or a draft_vocab.save_counts file
+    # Also run the walk and tree rows (and their _V<n> rows) with the drafter's backbone compiled
+    # (torch.compile, dynamic shapes; names end in _compiled): batch 1 only, the target stays eager.
+    compile_drafters: bool = False
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target
     # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.
@@ -233,9 +246,10 @@ def drafter_dtype(method: str) -> str:
     return next((dtype for dtype, suffix in DTYPE_SUFFIX.items() if suffix and method.endswith(suffix)), "float32")
 
 
-def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int):
+def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True):
     """(method name, drafter at block size `block`, spec_generate's verify arguments) of every drafter
-    method, in each of cfg.drafter_dtypes."""
+    method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk
+    and tree rows with a compiled backbone."""
     for dtype in cfg.drafter_dtypes:
         suffix = DTYPE_SUFFIX[dtype]
         ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
@@ -250,11 +264,17 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 yield f"dflash2_tree{m}{suffix}", walk, dict(verify="tree", tree_nodes=m)
             for n in cfg.draft_lens:
                 yield f"dflash2_walk_L{n}{suffix}", walk.with_config(draft_len=n), {}
-            for n in cfg.draft_vocabs:
-                small = walk.with_draft_vocab(most_frequent(_token_counts(cfg), n))
-                yield f"dflash2_walk_V{n}{suffix}", small, {}
+            smalls = {f"_V{n}": walk.with_draft_vocab(most_frequent(_token_counts(cfg), n)) for n in cfg.draft_vocabs}
+            for v, small in smalls.items():
+                yield f"dflash2_walk{v}{suffix}", small, {}
                 for m in cfg.tree_nodes:
-                    yield f"dflash2_tree{m}_V{n}{suffix}", small, dict(verify="tree", tree_nodes=m)
+                    yield f"dflash2_tree{m}{v}{suffix}", small, dict(verify="tree", tree_nodes=m)
+            for v, d in ({"": walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
+                fast = copy.deepcopy(d)
+                fast.backbone.compile(dynamic=True)  # compiled on its first call (the bench's warm-up)
+                yield f"dflash2_walk{v}{COMPILED}{suffix}", fast, {}
+                for m in cfg.tree_nodes:
+                    yield f"dflash2_tree{m}{v}{COMPILED}{suffix}", fast, dict(verify="tree", tree_nodes=m)
 
 
 def _token_counts(cfg: BenchConfig) -> torch.Tensor:
@@ -266,7 +286,7 @@ def _token_counts(cfg: BenchConfig) -> torch.Tensor:
 def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
     """The methods cfg.methods names; dflash2_tree<M>, dflash2_walk_L<n> and _V<n> come with their family."""
     def wanted(name: str) -> bool:
-        name = name.removesuffix(DTYPE_SUFFIX[drafter_dtype(name)])
+        name = name.removesuffix(DTYPE_SUFFIX[drafter_dtype(name)]).removesuffix(COMPILED)
         return (name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)
                 or (name.startswith(("dflash2_walk_L", "dflash2_walk_V")) and "dflash2_walk" in cfg.methods))
     return {name: fn for name, fn in methods.items() if wanted(name)}
@@ -291,7 +311,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         return run
 
     methods: dict[str, Callable] = {"ar": ours(None)}
-    for name, drafter, verify in _drafter_variants(cfg, drafters, block):
+    for name, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
         if not name.startswith("dflash2_argmax"):  # no selector ablation in batches
             methods[name] = ours(drafter, **verify)
     return _selected(cfg, methods)
@@ -327,8 +347,12 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 for setting_name in cfg.settings:
                     setting = SETTINGS[setting_name]
                     runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
-                    total = cfg.repetitions * len(inputs) * len(methods)
+                    warm = conc == 1  # one untimed run of each method first (compiles, first-call costs)
+                    total = (cfg.repetitions * len(inputs) + warm) * len(methods)
                     bar = tqdm(total=total, desc=f"{dataset} B={block} c={conc} {setting_name}", leave=False)
+                    for name, fn in methods.items() if warm else ():
+                        fn(inputs[0], setting, cfg.seed)
+                        bar.update()
                     for rep in range(cfg.repetitions):
                         for p, ids in enumerate(inputs):
                             for name, fn in methods.items():  # interleaved: every method back to back
@@ -340,20 +364,32 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def _median_ratio(items, base: dict) -> float | None:
+    """Median over (repetition, prompt) of tokens/s(run) / tokens/s(the base's run of the same pair)."""
+    ratios = []
+    for rep, p, r in items:  # the base run of the same prompt and repetition, measured back to back
+        b = base.get((rep, p))
+        if b is not None and r.seconds > 0 and b.seconds > 0:
+            ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
+    return statistics.median(ratios) if ratios else None
+
+
 def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any]]:
     base = {(rep, p): r for rep, p, r in runs["ar"]} if "ar" in runs else {}
+    speed = lambda items: sum(r.new_tokens for _, _, r in items) / max(sum(r.seconds for _, _, r in items), 1e-12)  # noqa: E731
+    # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
+    hf = max((m for m in HF_BASELINES if m in runs), key=lambda m: speed(runs[m]), default=None)
+    best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
     rows = []
     for name, items in runs.items():
         tokens = sum(r.new_tokens for _, _, r in items)
         seconds = sum(r.seconds for _, _, r in items)
-        ratios = []
-        for rep, p, r in items:  # the AR run of the same prompt and repetition, measured back to back
-            b = base.get((rep, p))
-            if b is not None and r.seconds > 0 and b.seconds > 0:
-                ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
         row = dict(method=name, dataset=dataset, block_size=block, setting=setting_name, **setting,
                    tokens_per_s=tokens / seconds if seconds else 0.0,
-                   speedup=statistics.median(ratios) if ratios else None, runs=len(items), new_tokens=tokens)
+                   speedup=_median_ratio(items, base), runs=len(items), new_tokens=tokens)
+        if hf and name.startswith("dflash"):
+            row.update(best_hf_baseline=hf, speedup_vs_best_hf=_median_ratio(items, best),
+                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / speed(runs[hf]))
         lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
         row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "hf_generate") else None)
         if lengths:
@@ -371,6 +407,7 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
             vocab = re.search(r"_V(\d+)", r["method"])
             if vocab:
                 r["draft_vocab"] = int(vocab.group(1))
+            r["compiled"] = COMPILED in r["method"]
             top1 = next((x["tau"] for x in rows if x["method"] == "dflash2_argmax" + suffix), None)
             if top1 is not None and r["method"] in ("dflash2_walk" + suffix, "dflash2_viterbi" + suffix):
                 r["tau_gap_vs_top1"] = r["tau"] - top1
@@ -386,13 +423,15 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['cpu']}.", "",
              *[f"- {name}: {src}" for name, src in sources.items()], "",
-             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR | vs faster HF spec. |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "—"
         speed = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "—"
+        hf = (f"{r['speedup_vs_best_hf']:.2f}× ({r['tokens_per_s_vs_best_hf']:.2f}× by totals)"
+              if r.get("speedup_vs_best_hf") is not None else "—")
         lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | {tau} | "
-                     f"{r['tokens_per_s']:.1f} | {speed} |")
+                     f"{r['tokens_per_s']:.1f} | {speed} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
 

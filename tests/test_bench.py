@@ -1,6 +1,8 @@
 """`python -m dflash2.bench --quick`: tiny random models; checks the output files and fields, not speeds."""
 
 import json
+import os
+import shutil
 
 import pytest
 
@@ -32,6 +34,16 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     assert all(r["tau"] <= 4 for r in rows if r["method"] == "dflash2_walk_L3")  # 3 drafts + the bonus
     ar = [r for r in rows if r["method"] == "ar"]
     assert all(r["speedup"] == 1.0 for r in ar)
+    for r in rows:  # our drafters against the faster HF speculative baseline of their group (batch 1)
+        group = [x for x in rows if (x["dataset"], x["setting"], x["concurrency"]) ==
+                 (r["dataset"], r["setting"], r["concurrency"])]
+        if r["method"].startswith("dflash") and r["concurrency"] == 1:
+            hf = max((x for x in group if x["method"] in ("hf_prompt_lookup", "hf_assisted")),
+                     key=lambda x: x["tokens_per_s"])
+            assert r["best_hf_baseline"] == hf["method"] and r["speedup_vs_best_hf"] > 0
+            assert r["tokens_per_s_vs_best_hf"] == pytest.approx(r["tokens_per_s"] / hf["tokens_per_s"])
+        else:
+            assert "speedup_vs_best_hf" not in r
     assert set(data["meta"]["sources"]) == {"humaneval", "stdlib_heldout"}
     assert data["meta"]["cpu"].startswith("CPU ") and data["meta"]["cpu"] in (out / "results.md").read_text()
     assert (out / "results.md").read_text().count("\n| ") >= len(rows)
@@ -57,15 +69,23 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
     assert main(["--quick", f"out={out}", "drafter_dtypes=[float8]"]) == 2
 
 
-def test_draft_vocabs_add_rows_with_a_smaller_lm_head(tmp_path):
+def test_draft_vocab_and_compiled_rows(tmp_path):
+    """draft_vocabs add _V<n> rows; compile_drafters adds batch-1 _compiled rows (when a C++ compiler
+    is there for torch.compile's CPU backend)."""
+    compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
     out = tmp_path / "bench"
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "datasets=[humaneval]", "tree_nodes=[7]",
-                 "methods=[ar,dflash2_walk,dflash2_tree]", "concurrency=[1,2]"]) == 0
+                 "methods=[ar,dflash2_walk,dflash2_tree]", "concurrency=[1,2]", "settings=[greedy]",
+                 f"compile_drafters={str(compiler).lower()}"]) == 0
     rows = json.loads((out / "results.json").read_text())["rows"]
-    for conc in (1, 2):
-        assert {r["method"] for r in rows if r["concurrency"] == conc} == {
-            "ar", "dflash2_walk", "dflash2_tree7", "dflash2_walk_V64", "dflash2_tree7_V64"}
-    assert {r["method"] for r in rows if r.get("draft_vocab") == 64} == {"dflash2_walk_V64", "dflash2_tree7_V64"}
+    plain = {"ar", "dflash2_walk", "dflash2_tree7", "dflash2_walk_V64", "dflash2_tree7_V64"}
+    compiled = {"dflash2_walk_compiled", "dflash2_tree7_compiled", "dflash2_walk_V64_compiled",
+                "dflash2_tree7_V64_compiled"} if compiler else set()
+    assert {r["method"] for r in rows if r["concurrency"] == 1} == plain | compiled
+    assert {r["method"] for r in rows if r["concurrency"] == 2} == plain  # compiled drafters: batch 1 only
+    assert {r["method"] for r in rows if r.get("draft_vocab") == 64} == {
+        m for m in plain | compiled if "_V64" in m}
+    assert {r["method"] for r in rows if r.get("compiled")} == compiled
     assert not any("draft_vocab" in r for r in rows if "_V" not in r["method"])
     assert main(["--quick", f"out={out}", "draft_vocabs=[0]"]) == 2
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "token_counts=/nonexistent.safetensors"]) == 2
