@@ -13,6 +13,7 @@ The context K/V are computed once per context position and kept in a `ContextCac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -164,6 +165,13 @@ class BlockDiffusionBackbone(nn.Module):
 
     def fuse(self, features: Tensor) -> Tensor:
         return self.hidden_norm(self.fc(features))
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile both hot paths of decoding in place: the block pass (`forward`, as
+        nn.Module.compile does) and the context projection (`context_kv`). Arguments go to
+        torch.compile; `dynamic=True` suits decoding, where the context grows every round."""
+        super().compile(*args, **kwargs)
+        self.context_kv = torch.compile(self.context_kv, *args, **kwargs)
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         """RoPE tables of `positions`, computed once per call and shared by every layer."""

@@ -98,7 +98,8 @@ class BenchConfig:
     draft_vocabs: list[int] = field(default_factory=list)  # extra dflash2_walk_V<n>, dflash2_tree<M>_V<n> rows
     token_counts: str = "embedded"  # ranks the draft vocabularies: "embedded" or a draft_vocab.save_counts file
     # Also run the walk and tree rows (and their _V<n> rows) with the drafter's backbone compiled
-    # (torch.compile, dynamic shapes; names end in _compiled): batch 1 only, the target stays eager.
+    # (BlockDiffusionBackbone.compile: torch.compile with dynamic shapes; names end in _compiled):
+    # batch 1 only, the target stays eager.
     compile_drafters: bool = False
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target
@@ -271,7 +272,7 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                     yield f"dflash2_tree{m}{v}{suffix}", small, dict(verify="tree", tree_nodes=m)
             for v, d in ({"": walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
                 fast = copy.deepcopy(d)
-                fast.backbone.compile(dynamic=True)  # compiled on its first call (the bench's warm-up)
+                fast.backbone.compile(dynamic=True)  # block pass and context projection, on their first call (the warm-up)
                 yield f"dflash2_walk{v}{COMPILED}{suffix}", fast, {}
                 for m in cfg.tree_nodes:
                     yield f"dflash2_tree{m}{v}{COMPILED}{suffix}", fast, dict(verify="tree", tree_nodes=m)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import shutil
 
 import pytest
 import torch
@@ -223,6 +225,36 @@ def test_backbone_rows_gives_the_first_rows_of_the_whole_block(conv):
         torch.testing.assert_close(d.backbone(x, positions, context, mask, rows=rows), whole[:, :rows])
     with pytest.raises(ValueError, match="rows"):
         d.backbone(x, positions, context, mask, rows=0)
+
+
+@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compiled_backbone_drafts_what_the_eager_one_does():
+    """backbone.compile() compiles the block pass and the context projection; over growing contexts
+    (dynamic shapes) both must match eager. (The quick bench test decodes with compiled drafters.)"""
+    target = tiny_target("qwen3").float()
+    torch.manual_seed(4)
+    eager = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=MASK).float().eval()
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fast = DFlash2Drafter(eager.config).float().eval()
+    fast.load_state_dict(eager.state_dict())
+    fast.backbone.compile(dynamic=True)
+    assert "context_kv" in vars(fast.backbone)  # the compiled projection shadows the method
+    adapter = TargetAdapter(target, eager.target_layer_ids)
+    caches = [eager.new_cache(), fast.new_cache()]
+    with torch.no_grad():
+        # a prompt, then rounds of different lengths: one compilation of each path (a round of 1 position,
+        # or a block pass over the prompt's not yet concatenated context, would add one each)
+        for i, n in enumerate((7, 3, 2, 4)):
+            features = torch.randn(1, n, len(eager.target_layer_ids) * eager.config.hidden_size)
+            for d, c in zip((eager, fast), caches):
+                d.backbone.extend_context(c, features)
+            for (ke, ve), (kf, vf) in zip(zip(caches[0].keys, caches[0].values), zip(caches[1].keys, caches[1].values)):
+                torch.testing.assert_close(kf, ke, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(vf, ve, atol=1e-5, rtol=1e-5)
+            if i:
+                torch.testing.assert_close(fast.block_hidden(caches[1], 5, adapter, rows=4),
+                                           eager.block_hidden(caches[0], 5, adapter, rows=4), atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("window", [None, 5])
