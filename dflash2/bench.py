@@ -418,11 +418,15 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str]) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(datetime.date.today()),
-                machine=platform.platform(), cpu=cpu_description(), torch_threads=torch.get_num_threads(),
-                config=dataclasses.asdict(cfg), sources=sources)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(now.date()),
+                finished=now.strftime("%H:%M UTC"), commit=_commit(), machine=platform.platform(),
+                cpu=cpu_description(), torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
+                sources=sources)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
-    lines = [f"Command: `{meta['command']}` on {meta['date']}, {meta['machine']}, {meta['cpu']}.", "",
+    at = f" at {meta['commit']}" if meta["commit"] else ""
+    lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
+             f"{meta['cpu']}.", "",
              *[f"- {name}: {src}" for name, src in sources.items()], "",
              "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR | vs faster HF spec. |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -435,6 +439,21 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
                      f"{r['tokens_per_s']:.1f} | {speed} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+
+
+def _commit() -> str | None:
+    """The repository's commit (with "+changes" when the tree differs from it), when run from a checkout."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev + ("+changes" if dirty else "") if rev else None
 
 
 def _plot(rows, out: Path) -> None:

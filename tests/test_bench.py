@@ -46,6 +46,8 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
             assert "speedup_vs_best_hf" not in r
     assert set(data["meta"]["sources"]) == {"humaneval", "stdlib_heldout"}
     assert data["meta"]["cpu"].startswith("CPU ") and data["meta"]["cpu"] in (out / "results.md").read_text()
+    commit, first_line = data["meta"]["commit"], (out / "results.md").read_text().splitlines()[0]
+    assert data["meta"]["finished"].endswith(" UTC") and (commit is None or f"` at {commit}, finished" in first_line)
     assert (out / "results.md").read_text().count("\n| ") >= len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
 

@@ -156,6 +156,7 @@ def main() -> int:
                   "with `_compiled` run the drafter's backbone through `torch.compile` (dynamic shapes; compiled "
                   "in the bench's untimed warm-up run); the target runs eager in every row, AR included.", "",
                   bench.read_text(), ""]
+        lines += _runs_section(RESULTS / "bench_headline" / "runs")
         bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
         lines += ["Time per round (ms; drafter + selector = draft):", "",
                   "| method | draft | verify | other | draft share of a round |", "|---|---|---|---|---|"]
@@ -190,6 +191,27 @@ def main() -> int:
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
     return 0
+
+
+def _runs_section(folder: Path) -> list[str]:
+    """Every kept run of one bench config side by side (results.json files copied into `folder`,
+    named by date and time): the spread between runs on a shared machine, next to the table above."""
+    runs = [(p.stem, json.loads(p.read_text())) for p in sorted(folder.glob("*.json"))]
+    if len(runs) < 2:
+        return []
+    methods = [r["method"] for r in runs[-1][1]["rows"] if r["method"] != "ar"]
+    cell = lambda r: ("—" if r is None else f"{r['speedup']:.2f}×" + (  # noqa: E731
+        f" / {r['speedup_vs_best_hf']:.2f}×" if r.get("speedup_vs_best_hf") is not None else ""))
+    lines = ["Every run of this config kept in `" + str(folder.relative_to(ROOT)) + "/`, named by date, finishing "
+             "time (UTC) and commit (speedup vs AR / vs the faster HF speculative method, medians of pairwise "
+             "ratios; each JSON names its machine and CPU):", "",
+             "| method | " + " | ".join(name + (f" ({data['meta']['commit']})" if data["meta"].get("commit") else "")
+                                       for name, data in runs) + " |",
+             "|---|" + "---|" * len(runs)]
+    for m in methods:
+        cells = [cell(next((r for r in data["rows"] if r["method"] == m), None)) for _, data in runs]
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return lines + [""]
 
 
 def _load(name: str) -> dict | None:
