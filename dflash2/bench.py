@@ -130,6 +130,8 @@ class BenchConfig:
             raise ValueError(f"draft_lens must be positive integers, got {self.draft_lens}")
         if any(not isinstance(n, int) or n < 1 for n in self.draft_vocabs):
             raise ValueError(f"draft_vocabs must be positive integers, got {self.draft_vocabs}")
+        if self.draft_vocabs and self.token_counts != "embedded" and not Path(self.token_counts).is_file():
+            raise ValueError(f"token_counts {self.token_counts!r} is neither 'embedded' nor a file")
 
 
 def native_bf16() -> bool:
@@ -265,7 +267,8 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 yield f"dflash2_tree{m}{suffix}", walk, dict(verify="tree", tree_nodes=m)
             for n in cfg.draft_lens:
                 yield f"dflash2_walk_L{n}{suffix}", walk.with_config(draft_len=n), {}
-            smalls = {f"_V{n}": walk.with_draft_vocab(most_frequent(_token_counts(cfg), n)) for n in cfg.draft_vocabs}
+            counts = _token_counts(cfg) if cfg.draft_vocabs else None
+            smalls = {f"_V{n}": walk.with_draft_vocab(most_frequent(counts, n)) for n in cfg.draft_vocabs}
             for v, small in smalls.items():
                 yield f"dflash2_walk{v}{suffix}", small, {}
                 for m in cfg.tree_nodes:
@@ -446,6 +449,8 @@ def _commit() -> str | None:
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():  # an installed copy: its code is not the enclosing repository's
+        return None
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

@@ -71,7 +71,7 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
     assert main(["--quick", f"out={out}", "drafter_dtypes=[float8]"]) == 2
 
 
-def test_draft_vocab_and_compiled_rows(tmp_path):
+def test_draft_vocab_and_compiled_rows(tmp_path, capsys):
     """draft_vocabs add _V<n> rows; compile_drafters adds batch-1 _compiled rows (when a C++ compiler
     is there for torch.compile's CPU backend)."""
     compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
@@ -91,6 +91,7 @@ def test_draft_vocab_and_compiled_rows(tmp_path):
     assert not any("draft_vocab" in r for r in rows if "_V" not in r["method"])
     assert main(["--quick", f"out={out}", "draft_vocabs=[0]"]) == 2
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "token_counts=/nonexistent.safetensors"]) == 2
+    assert "neither 'embedded' nor a file" in capsys.readouterr().err
 
 
 def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
