@@ -205,7 +205,7 @@ def _runs_section(folder: Path) -> list[str]:
     lines = ["Every run of this config kept in `" + str(folder.relative_to(ROOT)) + "/`, named by date, finishing "
              "time (UTC) and commit (speedup vs AR / vs the faster HF speculative method, medians of pairwise "
              "ratios; each JSON names its machine and CPU):", "",
-             "| method | " + " | ".join(name + (f" ({data['meta']['commit']})" if data["meta"].get("commit") else "")
+             "| method | " + " | ".join(name + (f" ({c})" if (c := data["meta"].get("commit")) and c not in name else "")
                                        for name, data in runs) + " |",
              "|---|" + "---|" * len(runs)]
     for m in methods:
