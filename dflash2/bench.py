@@ -378,22 +378,25 @@ def _median_ratio(items, base: dict) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
+def _tokens_per_s(items) -> float:
+    """Tokens per second over a method's runs (its total tokens over its total time)."""
+    seconds = sum(r.seconds for _, _, r in items)
+    return sum(r.new_tokens for _, _, r in items) / seconds if seconds else 0.0
+
+
 def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any]]:
     base = {(rep, p): r for rep, p, r in runs["ar"]} if "ar" in runs else {}
-    speed = lambda items: sum(r.new_tokens for _, _, r in items) / max(sum(r.seconds for _, _, r in items), 1e-12)  # noqa: E731
     # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
-    hf = max((m for m in HF_BASELINES if m in runs), key=lambda m: speed(runs[m]), default=None)
+    hf = max((m for m in HF_BASELINES if m in runs), key=lambda m: _tokens_per_s(runs[m]), default=None)
     best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
     rows = []
     for name, items in runs.items():
-        tokens = sum(r.new_tokens for _, _, r in items)
-        seconds = sum(r.seconds for _, _, r in items)
         row = dict(method=name, dataset=dataset, block_size=block, setting=setting_name, **setting,
-                   tokens_per_s=tokens / seconds if seconds else 0.0,
-                   speedup=_median_ratio(items, base), runs=len(items), new_tokens=tokens)
+                   tokens_per_s=_tokens_per_s(items), speedup=_median_ratio(items, base), runs=len(items),
+                   new_tokens=sum(r.new_tokens for _, _, r in items))
         if hf and name.startswith("dflash"):
             row.update(best_hf_baseline=hf, speedup_vs_best_hf=_median_ratio(items, best),
-                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / speed(runs[hf]))
+                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / _tokens_per_s(runs[hf]))
         lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
         row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "hf_generate") else None)
         if lengths:

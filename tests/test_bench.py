@@ -1,12 +1,11 @@
 """`python -m dflash2.bench --quick`: tiny random models; checks the output files and fields, not speeds."""
 
 import json
-import os
-import shutil
 
 import pytest
 
 from dflash2.bench import ALL_METHODS, main
+from tests.helpers import HAS_CXX_COMPILER
 
 
 def test_quick_bench_writes_table_json_and_plot(tmp_path):
@@ -74,7 +73,7 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
 def test_draft_vocab_and_compiled_rows(tmp_path, capsys):
     """draft_vocabs add _V<n> rows; compile_drafters adds batch-1 _compiled rows (when a C++ compiler
     is there for torch.compile's CPU backend)."""
-    compiler = shutil.which(os.environ.get("CXX", "g++")) is not None
+    compiler = HAS_CXX_COMPILER
     out = tmp_path / "bench"
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "datasets=[humaneval]", "tree_nodes=[7]",
                  "methods=[ar,dflash2_walk,dflash2_tree]", "concurrency=[1,2]", "settings=[greedy]",

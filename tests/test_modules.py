@@ -5,8 +5,6 @@ from __future__ import annotations
 import copy
 import itertools
 import json
-import os
-import shutil
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from dflash2 import (CandidateHead, DFlash2Drafter, TargetAdapter, TorchRandom, ViterbiSelector,
                      TwoTapDynamicConv, default_target_layer_ids, viterbi_path)
 from dflash2.layers import SwiGLU
-from tests.helpers import MASK, tiny_target
+from tests.helpers import HAS_CXX_COMPILER, MASK, tiny_target
 
 
 def perturbed_conv(H=32, B=6, taps=2, group=8, seed=0) -> TwoTapDynamicConv:
@@ -228,7 +226,7 @@ def test_backbone_rows_gives_the_first_rows_of_the_whole_block(conv):
         d.backbone(x, positions, context, mask, rows=0)
 
 
-@pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None, reason="torch.compile's CPU backend needs a C++ compiler")
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
 def test_compiled_backbone_drafts_what_the_eager_one_does():
     """backbone.compile() compiles the block pass and the context projection; over growing contexts
     (dynamic shapes) both must match eager. (The quick bench test decodes with compiled drafters.)"""
