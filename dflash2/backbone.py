@@ -1,11 +1,16 @@
-"""Block-diffusion backbone (DFlash, design doc section 2).
+"""Block-diffusion backbone (DFlash).
 
 Qwen3-style pre-norm layers whose attention takes queries from the block only and keys/values from
 `[fused target features; block]` (KV injection in every layer). The fused features are the chosen
 target layers' hidden states concatenated per position, projected by `fc` and RMS-normed by
 `hidden_norm`; each layer turns them into K/V with its own k/v projections, k-norm and RoPE at their
-absolute positions. Context entries are only K/V: no MLP, no residual. Inside the block attention is
-bidirectional. Each sublayer may be wrapped by the two-tap dynamic convolution (DFlash 2).
+absolute positions. Context entries are only K/V: no MLP, no residual. Each sublayer may be wrapped
+by the two-tap dynamic convolution (DFlash 2).
+
+Each layer has the attention layout of the published checkpoints (`config.layer_layout`): full or
+sliding, causal or bidirectional inside the block. A sliding layer's window is per query position
+(`layout_mask`): the query at absolute position p sees the key at k only if p - k < W, and k - p < W
+when the layer is not causal; context and block keys alike.
 
 The context K/V are computed once per context position and kept in a `ContextCache` across rounds.
 """
@@ -20,7 +25,7 @@ from torch import Tensor, nn
 
 from .config import DFlash2Config
 from .conv import NoConv, TwoTapDynamicConv
-from .layers import RMSNorm, SwiGLU, apply_rope, attention, rope_cos_sin
+from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, attention
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, hd] or [N, 1, T, hd]
 
@@ -29,7 +34,9 @@ Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, hd] or [N, 1, T, hd]
 class ContextCache:
     """Per-layer projected context K/V, each [N, kv_heads, C, hd], and the next absolute position.
 
-    With a context window W only the last W entries are kept; `length` still counts every position.
+    Only the last `config.context_keep` entries are kept when every layer needs no more (sliding
+    layers, a run-time context window); `length` still counts every position, so the kept entries
+    are positions length - C .. length - 1.
     """
 
     keys: list[Tensor] = field(default_factory=list)
@@ -44,7 +51,7 @@ class ContextBatch:
     Per layer one buffer [R, kv_heads, capacity, hd]; row r holds the K/V of its positions
     0 .. lengths[r]-1 in slots 0 .. lengths[r]-1 (position = slot, so nothing moves when a row
     grows). The slots after a row's own are scratch: a drafting pass writes the block's K/V there.
-    With a context window, older entries stay in place and are masked, not dropped. Rows join at
+    Windows (sliding layers, a context window) mask older entries; nothing is dropped. Rows join at
     the end (`add_rows`) and leave by `select_rows`, in step with the target's batch.
     """
 
@@ -73,6 +80,27 @@ class ContextBatch:
             more = max(slots, self.keys[0].shape[2] * 3 // 2) - self.keys[0].shape[2]
             grow = lambda t: torch.nn.functional.pad(t, (0, 0, 0, more))  # noqa: E731
             self.keys, self.values = [grow(k) for k in self.keys], [grow(v) for v in self.values]
+
+
+def layout_mask(query_positions: Tensor, key_positions: Tensor, causal: bool, window: int | None) -> Tensor | None:
+    """Which keys each query may see under a layer's layout, from absolute positions.
+
+    query_positions [Tq] or [N, Tq], key_positions [Tk] or [N, Tk] → bool [Tq, Tk] or [N, 1, Tq, Tk]
+    (True = attend), or None when the layout restricts nothing (full, bidirectional)."""
+    if not causal and window is None:
+        return None
+    q, k = query_positions[..., :, None], key_positions[..., None, :]
+    visible = k <= q if causal else None
+    if window is not None:
+        near = q - k < window
+        if not causal:
+            near = near & (k - q < window)
+        visible = near if visible is None else visible & near
+    return visible[:, None] if visible.dim() == 3 else visible
+
+
+def _and(a: Tensor | None, b: Tensor | None) -> Tensor | None:
+    return b if a is None else a if b is None else a & b
 
 
 class KVInjectionAttention(nn.Module):
@@ -162,6 +190,8 @@ class BlockDiffusionBackbone(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_parameters, config.max_position_embeddings,
+                                      H, config.num_attention_heads)
 
     def fuse(self, features: Tensor) -> Tensor:
         return self.hidden_norm(self.fc(features))
@@ -175,7 +205,7 @@ class BlockDiffusionBackbone(nn.Module):
 
     def rope(self, positions: Tensor, dtype: torch.dtype) -> Rope:
         """RoPE tables of `positions`, computed once per call and shared by every layer."""
-        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+        return self.rotary(positions, dtype)
 
     def context_kv(self, features: Tensor, positions: Tensor) -> list[tuple[Tensor, Tensor]]:
         """features [N, C, F] at positions [C] → per layer (k, v), each [N, kv_heads, C, hd]."""
@@ -191,7 +221,7 @@ class BlockDiffusionBackbone(nn.Module):
         """`extend_context` for several single-row caches with one projection over all their new
         positions (features[r] [1, n_r, F]; RoPE is per position, so the rows can be concatenated)."""
         new, sizes = self._project([c.length for c in caches], features)
-        window = self.config.context_window
+        window = self.config.context_keep
         for r, cache in enumerate(caches):
             lo, hi = sum(sizes[:r]), sum(sizes[: r + 1])
             ks, vs = [k[:, :, lo:hi] for k, _ in new], [v[:, :, lo:hi] for _, v in new]
@@ -199,7 +229,7 @@ class BlockDiffusionBackbone(nn.Module):
                 ks = [torch.cat([old, k], dim=2) for old, k in zip(cache.keys, ks)]
                 vs = [torch.cat([old, v], dim=2) for old, v in zip(cache.values, vs)]
             if window is not None and ks[0].shape[2] > window:
-                ks, vs = [k[:, :, -window:] for k in ks], [v[:, :, -window:] for v in vs]
+                ks, vs = [k[:, :, ks[0].shape[2] - window:] for k in ks], [v[:, :, vs[0].shape[2] - window:] for v in vs]
             cache.keys, cache.values = ks, vs
             cache.length += sizes[r]
         return caches
@@ -244,10 +274,13 @@ class BlockDiffusionBackbone(nn.Module):
         return self.context_kv(rows, positions), sizes
 
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
-                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None,
+                key_positions: Tensor | None = None) -> Tensor:
         """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
         [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None → [N, T, H].
 
+        key_positions [C+T] or [N, C+T]: the absolute position of every key (context, then block);
+        needed when a layer is causal or sliding, whose masks (`layout_mask`) are and-ed with `mask`.
         rows (a single block, T = block_size): only the first `rows` outputs are wanted → [N, rows, H].
         Every layer but the last still runs all T positions (their outputs are the last layer's keys
         and values); the last runs its queries, MLP and convolutions on `rows` positions only.
@@ -256,7 +289,13 @@ class BlockDiffusionBackbone(nn.Module):
         rope = self.rope(positions, x.dtype)
         if rows is not None and not 0 < rows <= x.shape[1] == self.config.block_size:
             raise ValueError(f"rows must be in 1..{self.config.block_size} for a single block, got {rows}")
+        masks: dict[tuple[bool, int | None], Tensor | None] = {}  # one mask per distinct layout
+        for layout in self.config.attention_layout:
+            if layout not in masks:
+                if layout != (False, None) and key_positions is None:
+                    raise ValueError("causal or sliding layers need key_positions")
+                masks[layout] = _and(mask, layout_mask(positions, key_positions, *layout))
         last = len(self.layers) - 1
-        for i, (layer, (k, v)) in enumerate(zip(self.layers, context)):
-            x = layer(x, rope, k, v, mask, rows if i == last else None, slots)
+        for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context, self.config.attention_layout)):
+            x = layer(x, rope, k, v, masks[layout], rows if i == last else None, slots)
         return self.norm(x)

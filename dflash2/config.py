@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 CONV_KINDS = ("two_tap", "none")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 SELECTOR_KINDS = ("walk", "viterbi", "argmax")
 
 
@@ -31,14 +33,23 @@ class DFlash2Config:
     head_dim: int | None = None  # None: hidden_size // num_attention_heads
     intermediate_size: int | None = None  # None: 3 * hidden_size
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    #                                 transformers' RoPE parameters: rope_type (default, linear, dynamic, yarn, llama3,
+    #                                 longrope, ...), rope_theta, the type's own keys, partial_rotary_factor
     max_position_embeddings: int = 32768
     num_layers: int = 1
+    # -- attention layout (the published checkpoints' fields) ------------------------------------
+    layer_types: tuple[str, ...] = ()  # per layer "full_attention" or "sliding_attention"; empty: all full
+    sliding_window: int | None = None  # W of the sliding layers: the query at position p sees the key at k only
+    #                                    if p - k < W (and k - p < W in a non-causal layer); None: no window
+    is_causal: bool | None = None  # True: block position i sees block positions <= i (and the context);
+    #                                None: sliding layers causal, full layers bidirectional
     # -- block diffusion -------------------------------------------------------------------------
     block_size: int = 16
     mask_token_id: int = 0
     target_layer_ids: tuple[int, ...] = ()  # empty: default_target_layer_ids(num_target_layers)
-    context_window: int | None = None  # attend to the last W context positions only (W >= block_size)
+    context_window: int | None = None  # run-time draft window: every query sees the last W context positions
+    #                                    only (W >= block_size); the engines' --speculative-draft-window-size
     draft_len: int | None = None  # propose only the first draft_len of the B - 1 drafted positions (None: all);
     #                               the drafter still runs the whole block, the target verifies fewer tokens
     # -- two-tap dynamic convolution (DFlash 2) --------------------------------------------------
@@ -70,6 +81,9 @@ class DFlash2Config:
             self.head_dim = self.hidden_size // self.num_attention_heads
         if self.intermediate_size is None:
             self.intermediate_size = 3 * self.hidden_size
+        self.layer_types = tuple(self.layer_types)
+        if isinstance(self.rope_parameters, dict):
+            self.rope_parameters = {"rope_type": "default", **self.rope_parameters}
         self._validate()
 
     def _validate(self) -> None:
@@ -112,6 +126,22 @@ class DFlash2Config:
                    and self.selector_top_k <= self.draft_vocab_size <= self.vocab_size,
                    f"draft_vocab_size must be None or an integer in selector_top_k..vocab_size "
                    f"({self.selector_top_k}..{self.vocab_size}), got {self.draft_vocab_size!r}")
+        _check(not self.layer_types or len(self.layer_types) == self.num_layers,
+               f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        bad = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        _check(not bad, f"layer_types must be among {LAYER_TYPES}, got {bad}")
+        _check(self.sliding_window is None or (isinstance(self.sliding_window, int) and not isinstance(
+            self.sliding_window, bool) and self.sliding_window >= 1),
+            f"sliding_window must be None or a positive integer, got {self.sliding_window!r}")
+        _check(self.is_causal in (None, True, False), f"is_causal must be None, true or false, got {self.is_causal!r}")
+        rope = self.rope_parameters
+        _check(isinstance(rope, dict) and isinstance(rope.get("rope_theta"), (int, float))
+               and not isinstance(rope.get("rope_theta"), bool) and rope["rope_theta"] > 0,
+               f"rope_parameters must be a dict with a positive rope_theta, got {rope!r}")
+        _check(rope["rope_type"] in ROPE_TYPES, f"rope_type must be one of {ROPE_TYPES}, got {rope['rope_type']!r}")
+        factor = rope.get("partial_rotary_factor", 1.0)
+        _check(isinstance(factor, (int, float)) and 0 < factor <= 1 and int(self.head_dim * factor) % 2 == 0,
+               f"partial_rotary_factor must be in (0, 1] and leave an even number of rotated channels, got {factor!r}")
         if self.draft_len is not None:
             _check(isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool) and self.draft_len >= 1,
                    f"draft_len must be None or a positive integer, got {self.draft_len!r}")
@@ -121,13 +151,44 @@ class DFlash2Config:
         """L = B - 1 (the block's anchor is known, positions 1..B-1 are drafted), or draft_len if set."""
         return self.block_size - 1 if self.draft_len is None else min(self.draft_len, self.block_size - 1)
 
+    def layer_type(self, i: int) -> str:
+        return self.layer_types[i] if self.layer_types else "full_attention"
+
+    def layer_layout(self, i: int) -> tuple[bool, int | None]:
+        """(causal, window) of layer i, as the published checkpoints define them: a sliding layer has
+        the window `sliding_window`, a full one none; `is_causal` unset means sliding layers are
+        causal and full layers bidirectional."""
+        sliding = self.layer_type(i) == "sliding_attention"
+        causal = sliding if self.is_causal is None else self.is_causal
+        return causal, (self.sliding_window if sliding else None)
+
+    @property
+    def attention_layout(self) -> tuple[tuple[bool, int | None], ...]:
+        """(causal, window) of every layer."""
+        return tuple(self.layer_layout(i) for i in range(self.num_layers))
+
+    @property
+    def context_keep(self) -> int | None:
+        """How many of the latest context positions a single sequence's cache must keep (None: all).
+        A sliding layer's earliest query is the block's first position C, which sees context
+        positions > C - W: the last W - 1. The run-time context_window keeps the last W."""
+        needs = [None if window is None else window - 1 for _, window in self.attention_layout]
+        keep = None if None in needs else max(needs)
+        if self.context_window is not None:
+            keep = self.context_window if keep is None else min(keep, self.context_window)
+        return keep
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out["target_layer_ids"] = list(self.target_layer_ids)
+        out["layer_types"] = list(self.layer_types)
         return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "DFlash2Config":
+        data = dict(data)
+        if "rope_theta" in data:  # directories written before rope_parameters
+            data["rope_parameters"] = {"rope_type": "default", "rope_theta": float(data.pop("rope_theta"))}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         _check(not unknown, f"unknown DFlash2Config fields: {unknown}")
@@ -159,4 +220,4 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-__all__ = ["DFlash2Config", "default_target_layer_ids", "CONV_KINDS", "SELECTOR_KINDS"]
+__all__ = ["DFlash2Config", "default_target_layer_ids", "CONV_KINDS", "SELECTOR_KINDS", "LAYER_TYPES", "ROPE_TYPES"]

@@ -50,7 +50,9 @@ class DFlash2Drafter(nn.Module):
     def from_target(cls, target: nn.Module, **fields: Any) -> "DFlash2Drafter":
         """A randomly initialised drafter sized for an HF causal LM, on its device and dtype.
 
-        Hidden size, vocabulary, number of target layers and RoPE base come from `target.config`;
+        Hidden size, vocabulary, number of target layers and RoPE parameters come from
+        `target.config`; a target whose embedding module scales its output (Gemma: × √H) sets
+        `input_embedding_scale` to that factor, since the drafter embeds with the raw matrix.
         `fields` sets any other DFlash2Config field (and may override the head layout).
         """
         adapter = TargetAdapter(target)
@@ -65,9 +67,12 @@ class DFlash2Drafter(nn.Module):
             head_dim=int(getattr(tc, "head_dim", None) or adapter.hidden_size // heads),
             intermediate_size=int(getattr(tc, "intermediate_size", None) or 4 * adapter.hidden_size),
             rms_norm_eps=float(getattr(tc, "rms_norm_eps", None) or 1e-6),
-            rope_theta=_rope_theta(tc),
+            rope_parameters=_rope_parameters(tc),
             max_position_embeddings=adapter.max_positions or 32768,
         )
+        scale = adapter.embedding_scale() if "input_embedding_scale" not in fields else None
+        if scale is not None:
+            sizes["input_embedding_scale"] = scale
         clash = sorted(k for k in ("hidden_size", "vocab_size", "num_target_layers") if k in fields
                        and fields[k] != sizes[k])
         if clash:
@@ -90,8 +95,8 @@ class DFlash2Drafter(nn.Module):
             if self.draft_vocab is not None:
                 raise ValueError("the reference format has no draft vocabulary; save "
                                  "with_config(draft_vocab_size=None) or use format='dflash2'")
-            meta = reference_format.reference_from_config(self.config)
-            tensors = reference_format.reference_from_state(tensors, self.config.extra.get("codebook_suffix", False))
+            meta = reference_format.reference_from_config(self.config, self.backbone.fc.weight.dtype)
+            tensors = reference_format.reference_from_state(tensors)
         else:
             meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
         directory.mkdir(parents=True, exist_ok=True)
@@ -101,19 +106,28 @@ class DFlash2Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device | None = None,
                         dtype: torch.dtype | None = None) -> "DFlash2Drafter":
-        """Read our directory format or the reference one; every tensor must fit, none may be missing."""
+        """Read our directory format or the reference one; every tensor must fit, none may be missing.
+
+        device="meta": the drafter its config.json describes, with no weights read (parameter names
+        and shapes of a checkpoint of any size, without allocating it)."""
         directory = Path(directory)
-        for name in (CONFIG_NAME, WEIGHTS_NAME):
+        meta_only = device is not None and torch.device(device).type == "meta"
+        for name in (CONFIG_NAME,) if meta_only else (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
                 raise FileNotFoundError(f"{directory / name} does not exist")
         meta = json.loads((directory / CONFIG_NAME).read_text())
+        if meta_only:
+            config = (reference_format.config_from_reference(meta) if reference_format.is_reference(meta)
+                      else DFlash2Config.from_dict({k: v for k, v in meta.items() if k != "architectures"}))
+            declared = reference_format.DTYPES.get(meta.get("dtype") or meta.get("torch_dtype"), torch.float32)
+            with torch.device("meta"):
+                return cls(config).to(dtype or declared)
         state = load_file(str(directory / WEIGHTS_NAME))
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         if reference_format.is_reference(meta):
             config = reference_format.config_from_reference(meta)
             model = cls(config).to(stored)
-            state, suffix = reference_format.state_from_reference(state, model.state_dict())
-            config.extra["codebook_suffix"] = suffix
+            state = reference_format.state_from_reference(state, model.state_dict())
         else:
             arch = meta.pop("architectures", [ARCHITECTURE])
             if arch != [ARCHITECTURE]:
@@ -169,11 +183,14 @@ class DFlash2Drafter(nn.Module):
         """A copy with `num_layers` backbone layers: this drafter's layers first, then new layers
         that start as the identity (their attention and MLP output projections zero, so both
         residual branches add nothing; the rest random). The copy drafts exactly what this one
-        does, and training can then use the extra depth: how a fine-tune grows a drafter."""
+        does, and training can then use the extra depth: how a fine-tune grows a drafter. The new
+        layers take the last layer's attention type."""
         if num_layers < self.config.num_layers:
             raise ValueError(f"cannot grow a {self.config.num_layers}-layer drafter to {num_layers} layers")
-        copy, (missing, unexpected) = self._copy(self.config.replace(num_layers=num_layers), self.state_dict(),
-                                                 strict=False)
+        types = self.config.layer_types
+        types = types + types[-1:] * (num_layers - len(types)) if types else ()  # new layers: the last one's type
+        copy, (missing, unexpected) = self._copy(self.config.replace(num_layers=num_layers, layer_types=types),
+                                                 self.state_dict(), strict=False)
         assert not unexpected and all(k.startswith("backbone.layers.") for k in missing), (missing, unexpected)
         for layer in copy.backbone.layers[self.config.num_layers:]:
             nn.init.zeros_(layer.self_attn.o_proj.weight)
@@ -256,7 +273,8 @@ class DFlash2Drafter(nn.Module):
                           L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of every row's block: hidden [R, L, H], candidates [R, L, K].
         Row r's block sits in the scratch slots after its context (slot = position); each row sees
-        its own context (its last `context_window` positions) and its whole block."""
+        its own context (its last `context_window` positions) and its whole block, within each
+        layer's layout (sliding windows and causality are masked by the backbone from positions)."""
         R, B = len(anchors), self.config.block_size
         device = context.keys[0].device
         lengths = torch.tensor(context.lengths, device=device)[:, None]  # [R, 1]
@@ -271,7 +289,7 @@ class DFlash2Drafter(nn.Module):
         context_kv = list(zip(context.keys, context.values))
         x = self.embed_block(ids, target)
         hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
-                               slots=slots)[:, 1:]  # [R, L, H]
+                               slots=slots, key_positions=slot)[:, 1:]  # [R, L, H]
         return hidden, self.draft_candidates(hidden, target)  # ids, U: [R, L, K]
 
     def _lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
@@ -296,7 +314,7 @@ class DFlash2Drafter(nn.Module):
         return Candidates(self.draft_vocab[ids], scores)
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
-        """block ids [...] → [..., H] through the target's embedding (× input_embedding_scale)."""
+        """block ids [...] → [..., H]: rows of the target's embedding matrix × input_embedding_scale."""
         x = target.embed(block_ids).to(self.backbone.fc.weight.dtype)
         scale = self.config.input_embedding_scale
         return x if scale is None else x * scale
@@ -317,8 +335,9 @@ class DFlash2Drafter(nn.Module):
         ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
         positions = torch.arange(cache.length, cache.length + B, device=device)
+        keys = torch.arange(cache.length - cache.keys[0].shape[2], cache.length + B, device=device)  # kept context, block
         x = self.embed_block(ids, target)  # [1, B, H]
-        return self.backbone(x, positions, list(zip(cache.keys, cache.values)), rows=rows)
+        return self.backbone(x, positions, list(zip(cache.keys, cache.values)), rows=rows, key_positions=keys)
 
 
 def _check_draft_vocab(ids: Tensor, vocab_size: int, top_k: int) -> None:
@@ -333,9 +352,19 @@ def _check_draft_vocab(ids: Tensor, vocab_size: int, top_k: int) -> None:
         raise ValueError("draft vocabulary token ids must be distinct (and are kept sorted)")
 
 
-def _rope_theta(config) -> float:
-    theta = getattr(config, "rope_theta", None)
-    params = getattr(config, "rope_parameters", None)
-    if theta is None and isinstance(params, dict):
-        theta = params.get("rope_theta")
-    return float(theta or 10000.0)
+def _rope_parameters(config) -> dict[str, Any]:
+    """The target's RoPE parameters (transformers 5 `rope_parameters`, or the older `rope_theta` +
+    `rope_scaling`). Per-layer-type parameters (Gemma 3) give the full-attention layers' entry."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        params = params["full_attention"]
+    params = {k: v for k, v in dict(params).items() if k != "type"}
+    params["rope_type"] = params.get("rope_type") or (getattr(config, "rope_scaling", None) or {}).get("type", "default")
+    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
+    params["rope_theta"] = float(theta or 10000.0)
+    partial = getattr(config, "partial_rotary_factor", None)
+    if partial is not None and "partial_rotary_factor" not in params:
+        params["partial_rotary_factor"] = float(partial)
+    if params.get("partial_rotary_factor") == 1.0:
+        params.pop("partial_rotary_factor")
+    return params

@@ -41,18 +41,69 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class RotaryEmbedding:
+    """RoPE tables from transformers' RoPE parameters (`rope_type` default, linear, dynamic, yarn,
+    llama3, longrope; `partial_rotary_factor`): the inverse frequencies and the cos/sin scaling come
+    from transformers' own RoPE initialisation functions, as the published drafters' Qwen3 rotary
+    embedding computes them. The default type is computed here in float64.
+
+    `dynamic` and `longrope` depend on the sequence length: they are evaluated per call at the
+    largest position in it plus one, as transformers' dynamic update does on a growing sequence.
+    """
+
+    def __init__(self, head_dim: int, rope_parameters: dict, max_position_embeddings: int,
+                 hidden_size: int, num_heads: int) -> None:
+        self.params = dict(rope_parameters)
+        self.type = self.params.get("rope_type", "default")
+        self.rotary_dim = int(head_dim * self.params.get("partial_rotary_factor", 1.0))
+        self.by_length = self.type in ("dynamic", "longrope")
+        self._sizes = (head_dim, max_position_embeddings, hidden_size, num_heads)
+        self._fixed: dict[torch.device, tuple[Tensor, float]] = {}
+
+    def inverse_frequencies(self, device: torch.device, seq_len: int | None = None) -> tuple[Tensor, float]:
+        """→ inv_freq [rotary_dim / 2] (float64) and the cos/sin scaling factor."""
+        if self.type == "default":
+            exponents = torch.arange(0, self.rotary_dim, 2, device=device, dtype=torch.float64) / self.rotary_dim
+            return 1.0 / self.params["rope_theta"] ** exponents, 1.0
+        if not self.by_length and device in self._fixed:
+            return self._fixed[device]
+        from transformers import Qwen3Config
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        head_dim, max_positions, hidden, heads = self._sizes
+        config = Qwen3Config(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=heads,
+                             head_dim=head_dim, max_position_embeddings=max_positions,
+                             rope_parameters=dict(self.params))
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.type](config, device, seq_len=seq_len)
+        out = (inv_freq.to(torch.float64), float(scaling))
+        if not self.by_length:
+            self._fixed[device] = out
+        return out
+
+    def __call__(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """positions [T] or [N, T] (absolute) → cos, sin [T, rd] or [N, 1, T, rd] (broadcast over heads;
+        rd the rotated channels)."""
+        seq_len = int(positions.max()) + 1 if self.by_length and positions.numel() else None
+        inv_freq, scaling = self.inverse_frequencies(positions.device, seq_len)
+        angles = positions.to(torch.float64)[..., None] * inv_freq  # [..., T, rd/2]
+        emb = torch.cat([angles, angles], dim=-1)  # [..., T, rd]
+        if positions.dim() == 2:
+            emb = emb[:, None]
+        return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
 def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """positions [T] or [N, T] (absolute) → cos, sin [T, hd] or [N, 1, T, hd] (broadcast over heads)."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float64) / head_dim)
-    angles = positions.to(torch.float64)[..., None] * inv_freq  # [..., T, hd/2]
-    emb = torch.cat([angles, angles], dim=-1)  # [..., T, hd]
-    if positions.dim() == 2:
-        emb = emb[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """Default RoPE: positions [T] or [N, T] → cos, sin [T, hd] or [N, 1, T, hd]."""
+    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": theta}, 1, head_dim, 1)
+    return rope(positions, dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, heads, T, hd] rotated by cos/sin [T, hd] or [N, 1, T, hd] (rotate-half convention)."""
+    """x [N, heads, T, hd] rotated by cos/sin [T, rd] or [N, 1, T, rd] (rotate-half convention over
+    the first rd channels; the others pass through, as partial rotary embeddings do)."""
+    rd = cos.shape[-1]
+    if rd < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 

@@ -1,18 +1,24 @@
 """The published DFlash (`DFlashDraftModel`) and DFlash 2 (`DFlash2DraftModel`) checkpoint format.
 
 A reference directory holds a Qwen3-style `config.json` (drafter sizes, `num_hidden_layers` = drafter
-layers) with top-level `block_size`, `num_target_layers` and a `dflash_config` section, and a
-`model.safetensors` whose tensor names are ours without the `backbone.` prefix (design doc
-section 3); the codebooks may or may not carry a `.weight` suffix. The mapping is strict: every
-tensor is used, none is missing, every shape must fit. Fields we do not model are kept in
-`DFlash2Config.extra` and written back, so a round trip reproduces names and tensors exactly.
-See docs/checkpoints.md.
+layers, `num_target_layers`, a `dflash_config` section) and a `model.safetensors` whose tensor names
+are ours without the `backbone.` prefix; the codebooks are read with or without a `.weight` suffix
+and written without. Loading is strict: every tensor is used, none is missing, every shape must fit.
+
+The config is read as the published drafters read it (z-lab/dflash through transformers'
+`Qwen3Config`; the SGLang and vLLM ports agree): a `dflash_config` entry wins over a top-level one;
+`sliding_window` counts only with `use_sliding_window: true`; absent `layer_types` are derived from
+`max_window_layers`; `is_causal` unset leaves sliding layers causal and full layers bidirectional;
+RoPE comes from `rope_parameters` (or the older `rope_theta` + `rope_scaling`). Fields dflash2 does
+not model are kept in `DFlash2Config.extra` and written back, so an imported config is written back
+field for field (docs/checkpoints.md lists every field and what is added on export).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from .config import DFlash2Config
@@ -26,9 +32,12 @@ SIZES = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
          "num_attention_heads": "num_attention_heads", "num_key_value_heads": "num_key_value_heads",
          "head_dim": "head_dim", "rms_norm_eps": "rms_norm_eps", "max_position_embeddings": "max_position_embeddings",
          "vocab_size": "vocab_size"}
-DFLASH_FIELDS = ("mask_token_id", "target_layer_ids", "block_size", "conv_kernel_size", "conv_group_size",
-                 "selector_rank", "selector_top_k")
+V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 OPTIONS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
+# top-level fields whose presence in an imported config is remembered, to write back the same set
+TRACKED = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "layer_types", "sliding_window",
+           "use_sliding_window", "is_causal", "dtype", "torch_dtype")
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def is_reference(meta: dict[str, Any]) -> bool:
@@ -40,71 +49,129 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     meta = dict(meta)
     (arch,) = [a for a in meta.pop("architectures") if a in ARCHITECTURES]
     dflash = dict(meta.pop("dflash_config", None) or {})
-    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash]
-    if missing or "num_target_layers" not in meta:
-        raise ValueError(f"reference config lacks {missing + ([] if 'num_target_layers' in meta else ['num_target_layers'])}")
-    fields: dict[str, Any] = {ours: meta.pop(theirs) for theirs, ours in SIZES.items() if theirs in meta}
+    present = [k for k in TRACKED if k in meta]
+    top_level: list[str] = []
+
+    def take(name: str, default: Any = None) -> Any:
+        """dflash_config first, then the top level (the reference's `_draft_value`)."""
+        if name in dflash:
+            return dflash.pop(name)
+        if name in meta:
+            top_level.append(name)
+            return meta.pop(name)
+        return default
+
+    missing = [k for k in ("mask_token_id", "target_layer_ids") if k not in dflash and k not in meta]
+    missing += [] if "num_target_layers" in meta else ["num_target_layers"]
+    if missing:
+        raise ValueError(f"reference config lacks {missing}")
+    if meta.get("attention_bias"):
+        raise ValueError("reference config has attention_bias: true; dflash2's drafter layers have no projection biases")
+    if meta.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"reference config has hidden_act {meta['hidden_act']!r}; dflash2's MLP is SwiGLU (silu)")
+    qwen3 = _qwen3_defaults()
+    fields: dict[str, Any] = {ours: meta.pop(theirs) if theirs in meta else getattr(qwen3, theirs)
+                              for theirs, ours in SIZES.items()}
     fields["num_target_layers"] = meta.pop("num_target_layers")
     top_block = meta.pop("block_size", None)
-    fields["block_size"] = dflash.pop("block_size", top_block) or 16
-    rope = meta.pop("rope_theta", None)
-    if rope is None and isinstance(meta.get("rope_parameters"), dict):
-        rope = meta["rope_parameters"].get("rope_theta")
-    if rope is not None:
-        fields["rope_theta"] = float(rope)
-    fields["mask_token_id"] = dflash.pop("mask_token_id")
-    fields["target_layer_ids"] = tuple(dflash.pop("target_layer_ids"))
-    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", *OPTIONS):
-        if name in dflash:
-            fields[name] = dflash.pop(name)
-    if arch == V2:
-        fields.update(conv="two_tap", selector="walk")
-    else:
-        fields.update(conv="none", selector="argmax")
-    layer_types = meta.get("layer_types") or []
-    if meta.get("sliding_window") and "sliding_attention" in layer_types:
-        fields["context_window"] = int(meta["sliding_window"])
-    fields["extra"] = {"architecture": arch, "config": meta, "dflash_config": dflash, "top_block_size": top_block}
+    fields["block_size"] = int(dflash.pop("block_size", None) or top_block or 16)
+    fields["mask_token_id"] = take("mask_token_id")
+    fields["target_layer_ids"] = tuple(take("target_layer_ids"))
+    for name in (*V2_FIELDS, *OPTIONS):
+        value = take(name)
+        if value is not None:
+            fields[name] = value
+    if not fields.get("final_logit_softcapping"):  # the reference: a cap of 0 or null is off
+        fields.pop("final_logit_softcapping", None)
+    fields.update(conv="two_tap", selector="walk") if arch == V2 else fields.update(conv="none", selector="argmax")
+    fields["rope_parameters"] = _rope_from_reference(meta)
+    # attention layout, as Qwen3Config resolves it
+    use_window = bool(meta.pop("use_sliding_window", False))
+    raw_window = meta.pop("sliding_window", None)
+    window = raw_window if use_window else None
+    types = meta.pop("layer_types", None)
+    if types is None:
+        start = meta.get("max_window_layers", qwen3.max_window_layers)
+        types = ["sliding_attention" if window is not None and i >= start else "full_attention"
+                 for i in range(fields["num_layers"])]
+    fields["layer_types"] = () if all(t == "full_attention" for t in types) and "layer_types" not in present \
+        else tuple(types)
+    fields["sliding_window"] = window
+    fields["is_causal"] = None if meta.get("is_causal") is None else bool(meta.pop("is_causal"))
+    meta.pop("is_causal", None)
+    meta.pop("dtype", None), meta.pop("torch_dtype", None)
+    fields["extra"] = {"architecture": arch, "config": meta, "dflash_config": dflash, "top_block_size": top_block,
+                       "present": present, "top_level": top_level,
+                       "ignored_sliding_window": None if use_window else raw_window}
     return DFlash2Config(**fields)
 
 
-def reference_from_config(config: DFlash2Config) -> dict[str, Any]:
-    """DFlash2Config → reference config.json (v2 when it has the conv, v1 otherwise)."""
+def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """DFlash2Config → reference config.json (v2 when it has the conv, v1 otherwise); `dtype` is the
+    weights' dtype, written as `dtype`. The run-time `context_window` is not part of the format
+    (the engines take it as their serving flag, --speculative-draft-window-size)."""
     extra = config.extra or {}
     v2 = config.conv == "two_tap"
     if v2 != (config.selector != "argmax"):
         raise ValueError("the reference format has DFlash 1 (no conv, argmax) and DFlash 2 (conv, selector) only; "
                          f"conv={config.conv!r} with selector={config.selector!r} has no reference form")
+    imported = "present" in extra
+    present = set(extra.get("present", ()))
+    top_level = set(extra.get("top_level", ()))
     meta: dict[str, Any] = {"architectures": [V2 if v2 else V1], "model_type": "qwen3"}
     meta.update(extra.get("config", {}))
     meta.update({theirs: getattr(config, ours) for theirs, ours in SIZES.items()})
-    meta["rope_theta"] = config.rope_theta
     meta["num_target_layers"] = config.num_target_layers
     if extra.get("top_block_size", config.block_size) is not None:  # kept unless the imported file lacked it
         meta["block_size"] = config.block_size
+    meta.update(_rope_to_reference(config.rope_parameters, present if imported else {"rope_parameters"}))
+    # attention layout: explicit wherever an engine could read it differently
+    layout = config.attention_layout
+    sliding = [t == "sliding_attention" for t in (config.layer_type(i) for i in range(config.num_layers))]
+    if any(sliding) or "layer_types" in present or config.layer_types:
+        meta["layer_types"] = [config.layer_type(i) for i in range(config.num_layers)]
+    if config.sliding_window is not None:
+        meta["use_sliding_window"], meta["sliding_window"] = True, config.sliding_window
+    elif extra.get("ignored_sliding_window") is not None:
+        meta["use_sliding_window"], meta["sliding_window"] = False, extra["ignored_sliding_window"]
+    elif "use_sliding_window" in present:
+        meta["use_sliding_window"] = False
+    causal = {c for c, _ in layout}
+    if config.is_causal is not None:
+        meta["is_causal"] = config.is_causal
+    elif len(causal) == 1 and (any(sliding) or not imported or "is_causal" in present):
+        meta["is_causal"] = causal.pop()  # the resolved value, one for every layer
+    if dtype is not None:
+        name = {v: k for k, v in DTYPES.items()}[dtype]
+        meta["dtype"] = name
+        if "torch_dtype" in present:
+            meta["torch_dtype"] = name
     dflash = dict(extra.get("dflash_config", {}))
     dflash.update(mask_token_id=config.mask_token_id, target_layer_ids=list(config.target_layer_ids),
                   block_size=config.block_size)
     if v2:
-        dflash.update(conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size,
-                      selector_rank=config.selector_rank, selector_top_k=config.selector_top_k)
+        dflash.update({name: getattr(config, name) for name in V2_FIELDS})
     for name in OPTIONS:
         if getattr(config, name) is not None:
             dflash[name] = getattr(config, name)
+    for name in top_level:  # fields the imported file kept at the top level go back there
+        if name in dflash:
+            meta[name] = dflash.pop(name)
     meta["dflash_config"] = dflash
-    if config.context_window is not None:
-        meta["sliding_window"] = config.context_window
-        meta["layer_types"] = ["sliding_attention"] * config.num_layers
-    return {k: v for k, v in meta.items() if v is not None}
+    meta = {k: v for k, v in meta.items() if v is not None}
+    return {"architectures": meta.pop("architectures"), "model_type": meta.pop("model_type"),
+            **dict(sorted(meta.items()))}
 
 
-def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> tuple[dict[str, Tensor], bool]:
-    """Reference tensors → our state dict; strict. Returns (state, codebooks had a .weight suffix)."""
-    state, suffix = {}, False
+def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Reference tensors → our state dict; strict. Codebooks with or without a `.weight` suffix."""
+    state = {}
     for name, tensor in tensors.items():
         ours = name if name.startswith("candidate_selector.") else PREFIX + name
         if name.endswith(".weight") and name[: -len(".weight")] in CODEBOOKS:
-            ours, suffix = name[: -len(".weight")], True
+            ours = name[: -len(".weight")]
+        if ours in state:
+            raise ValueError(f"reference checkpoint holds {ours} twice (with and without .weight)")
         state[ours] = tensor
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
@@ -113,14 +180,53 @@ def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]
     wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if state[k].shape != v.shape]
     if wrong:
         raise ValueError(f"reference tensors with wrong shapes (file vs config): {wrong}")
-    return state, suffix
+    return state
 
 
-def reference_from_state(state: dict[str, Tensor], codebook_suffix: bool) -> dict[str, Tensor]:
-    out = {}
-    for name, tensor in state.items():
-        if name in CODEBOOKS:
-            out[name + (".weight" if codebook_suffix else "")] = tensor
-        else:
-            out[name[len(PREFIX):] if name.startswith(PREFIX) else name] = tensor
+def reference_from_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Our state dict → the published tensor names (codebooks without `.weight`, as released)."""
+    return {name if name in CODEBOOKS or not name.startswith(PREFIX) else name[len(PREFIX):]: tensor
+            for name, tensor in state.items()}
+
+
+def _rope_from_reference(meta: dict[str, Any]) -> dict[str, Any]:
+    """Pop the RoPE fields (transformers 5 `rope_parameters`, or `rope_theta` + `rope_scaling`, and a
+    top-level `partial_rotary_factor`) → one rope_parameters dict, as transformers standardises them."""
+    params = dict(meta.pop("rope_parameters", None) or meta.pop("rope_scaling", None) or {})
+    meta.pop("rope_scaling", None)
+    theta = meta.pop("rope_theta", None)
+    partial = meta.pop("partial_rotary_factor", None)
+    params["rope_type"] = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    params.setdefault("rope_theta", float(theta if theta is not None else _qwen3_defaults_theta()))
+    if partial is not None:
+        params.setdefault("partial_rotary_factor", partial)
+    return params
+
+
+def _rope_to_reference(params: dict[str, Any], present: set[str]) -> dict[str, Any]:
+    """rope_parameters → the fields of the imported file's format (rope_parameters for a new export)."""
+    params = dict(params)
+    out: dict[str, Any] = {}
+    if "partial_rotary_factor" in present and "partial_rotary_factor" in params:
+        out["partial_rotary_factor"] = params.pop("partial_rotary_factor")
+    if "rope_parameters" in present or not present & {"rope_theta", "rope_scaling"}:
+        out["rope_parameters"] = params
+        if "rope_theta" in present:
+            out["rope_theta"] = params["rope_theta"]
+        return out
+    out["rope_theta"] = params.pop("rope_theta")
+    if params.get("rope_type", "default") != "default" or len(params) > 1 or "rope_scaling" in present:
+        out["rope_scaling"] = params
     return out
+
+
+def _qwen3_defaults():
+    from transformers import Qwen3Config
+
+    return Qwen3Config()
+
+
+def _qwen3_defaults_theta() -> float:
+    params = getattr(_qwen3_defaults(), "rope_parameters", None) or {}
+    return float(params.get("rope_theta", getattr(_qwen3_defaults(), "rope_theta", 10000.0)))

@@ -13,7 +13,7 @@ of the package sees a few operations with explicit state:
     adapter.select_rows(cache, rows); adapter.keep_slots(cache, slots)       # drop rows / dead slots
     adapter.append_rows(cache, other)            # newcomers join a running batch
 
-plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows.
+plus `embed` and `lm_logits`, the frozen embedding matrix and LM head the drafter borrows.
 
 Attention-only targets: the cache is a plain `DynamicCache` built without the model config, so every
 layer keeps its full history (sliding-window layers included; their window is applied by the
@@ -285,8 +285,28 @@ class TargetAdapter:
             cache.crop(-remove)
 
     def embed(self, ids: Tensor) -> Tensor:
-        """ids [...] → [..., H] with the target's frozen input embedding."""
-        return self.model.get_input_embeddings()(ids)
+        """ids [...] → [..., H]: rows of the target's frozen input embedding matrix. The raw matrix,
+        not the embedding module, as the published drafters read it: a module that scales its output
+        (Gemma's × √H) is matched by the drafter's `input_embedding_scale` instead."""
+        return torch.nn.functional.embedding(ids, self.model.get_input_embeddings().weight)
+
+    def embedding_scale(self) -> float | None:
+        """The factor by which the target's embedding module scales the matrix's rows (None: it
+        does not). Raises when the module does something other than a scaled lookup."""
+        module = self.model.get_input_embeddings()
+        weight = module.weight
+        ids = torch.arange(min(16, weight.shape[0]), device=weight.device)
+        with torch.no_grad():
+            out, raw = module(ids), torch.nn.functional.embedding(ids, weight)
+        if torch.equal(out, raw):
+            return None
+        scale = getattr(module, "embed_scale", None)
+        scale = float(scale) if scale is not None else float(out.double().norm() / raw.double().norm())
+        tolerance = 1e-2 if weight.dtype in (torch.bfloat16, torch.float16) else 1e-5
+        if not torch.allclose(out.double(), raw.double() * scale, rtol=tolerance, atol=tolerance * 1e-3):
+            raise ValueError(f"the target's input embedding ({type(module).__name__}) is not a (scaled) lookup of "
+                             "its weight matrix; set input_embedding_scale yourself")
+        return None if scale == 1.0 else scale
 
     def lm_logits(self, hidden: Tensor, vocab: Tensor | None = None) -> Tensor:
         """hidden [..., H] → [..., V] with the target's frozen LM head (differentiable in `hidden`:

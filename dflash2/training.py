@@ -1,4 +1,4 @@
-"""Training-time forward and losses of the drafter (design doc section 4).
+"""Training-time forward and losses of the drafter.
 
 All blocks of a sequence go through the backbone in one masked forward pass:
 
@@ -6,7 +6,9 @@ All blocks of a sequence go through the backbone in one masked forward pass:
     context = fused features of every position 0..T-1   block j sees context positions p < a_j only
                                                         (strictly before its anchor: the anchor has no
                                                         target hidden state at inference), itself
-                                                        bidirectionally, and no other block
+                                                        (bidirectionally, or causally in a causal
+                                                        layer), and no other block; a sliding layer's
+                                                        window applies per query, as at inference
     labels: block position k (1..B-1) predicts ids[a_j + k] (same position, no shift)
 
 `tests/test_training.py` checks that this gives the same block logits as the inference-time drafter
@@ -86,7 +88,8 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     context = drafter.backbone.context_kv(features, torch.arange(T, device=ids.device))
     x = drafter.embed_block(block_ids.reshape(N, A * B), target)  # [N, A·B, H]
     mask = block_mask(anchors, T, B, cfg.context_window)
-    hidden = drafter.backbone(x, positions, context, mask).view(N, A, B, -1)[:, :, 1:]  # [N, A, L, H]
+    keys = torch.cat([torch.arange(T, device=ids.device).expand(N, T), positions], dim=1)  # [N, T + A·B]
+    hidden = drafter.backbone(x, positions, context, mask, key_positions=keys).view(N, A, B, -1)[:, :, 1:]  # [N, A, L, H]
     label_pos = positions.view(N, A, B)
     labels = ids.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
     prev = ids.gather(1, label_pos[:, :, :-1].reshape(N, -1)).view(N, A, B - 1)

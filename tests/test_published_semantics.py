@@ -1,0 +1,352 @@
+"""Fidelity to the published drafters: every checkpoint layout drafts exactly what the published
+semantics compute (tests/published_reference.py, an independent forward), in every place the drafter
+runs (one sequence across rounds, a ContextBatch, the training forward), and exports carry the layout.
+
+Reference directories are random checkpoints written by their published tensor names; the drafter
+reads them through `from_pretrained`, so the config reader is under test too. Float64: hidden states
+must agree to 1e-10 and every draft token must be the same. Mutants of the layout mask (a window per
+block instead of per query; causality ignored) must fail the same comparison.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import dflash2.backbone as backbone
+from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate, spec_generate_batch
+from dflash2.reference_format import config_from_reference, reference_from_config
+from dflash2.training import masked_block_forward
+from tests import published_reference as ref
+from tests.helpers import MASK, VOCAB, hf_greedy, tiny_target
+
+H, HEADS, KV, HD, INTER, B, GROUP, TAPS, RANK, TOP_K = 32, 4, 2, 12, 40, 6, 16, 2, 8, 4  # HD != H / HEADS
+LAYER_IDS = [0, 2, 3]
+S, F = "sliding_attention", "full_attention"
+ROUNDS = (9, 4, 3, 5)  # context positions added per round: 9, 13, 16, 21 in all
+
+LAYOUTS = {
+    "full-bidirectional": {},
+    "full-causal": {"is_causal": True},
+    "sliding-W7-noncausal": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 7, "is_causal": False},
+    "sliding-W7-causal-unset": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 7},
+    "sliding-W7-causal": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 7, "is_causal": True},
+    "sliding-W3-noncausal": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 3, "is_causal": False},
+    "sliding-W3-causal-unset": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 3},
+    "sliding-W40-noncausal": {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 40,
+                              "is_causal": False},
+    "mixed-W5-noncausal": {"num_hidden_layers": 3, "layer_types": [S, F, S], "use_sliding_window": True,
+                           "sliding_window": 5, "is_causal": False},
+    "mixed-W5-causal-unset": {"num_hidden_layers": 3, "layer_types": [F, S, S], "use_sliding_window": True,
+                              "sliding_window": 5},
+    "sliding-without-use_sliding_window": {"layer_types": [S, S], "sliding_window": 5},  # Qwen3Config drops W
+    "max_window_layers": {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 4,
+                          "max_window_layers": 1, "is_causal": False},  # no layer_types: layers 1, 2 slide
+}
+EXTRAS = {
+    "options": {"dflash_config": {"output_multiplier": 0.7, "final_logit_softcapping": 2.5,
+                                  "input_embedding_scale": 1.7}},
+    "yarn": {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 8}},
+    "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}},
+    "partial-rotary": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.5}},
+    "top-level-options": {"output_multiplier": 1.3, "input_embedding_scale": 0.8},  # read after dflash_config
+}
+
+
+def reference_config(version: int, overrides: dict) -> dict:
+    cfg = {"architectures": ["DFlash2DraftModel" if version == 2 else "DFlashDraftModel"], "model_type": "qwen3",
+           "hidden_size": H, "intermediate_size": INTER, "num_hidden_layers": 2, "num_attention_heads": HEADS,
+           "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-6, "max_position_embeddings": 256,
+           "vocab_size": VOCAB, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+           "num_target_layers": 4, "dtype": "float64",
+           "dflash_config": {"mask_token_id": MASK, "target_layer_ids": LAYER_IDS, "block_size": B}}
+    if version == 2:
+        cfg["dflash_config"] |= {"conv_kernel_size": TAPS, "conv_group_size": GROUP, "selector_rank": RANK,
+                                 "selector_top_k": TOP_K}
+    overrides = dict(overrides)
+    cfg["dflash_config"] |= overrides.pop("dflash_config", {})
+    return cfg | overrides
+
+
+def reference_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3  # noqa: E731
+    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, len(LAYER_IDS) * H), "hidden_norm.weight": 1 + r(H)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": r(HEADS * HD, H), p + "self_attn.k_proj.weight": r(KV * HD, H),
+              p + "self_attn.v_proj.weight": r(KV * HD, H), p + "self_attn.o_proj.weight": r(H, HEADS * HD),
+              p + "self_attn.q_norm.weight": 1 + r(HD), p + "self_attn.k_norm.weight": 1 + r(HD),
+              p + "mlp.gate_proj.weight": r(INTER, H), p + "mlp.up_proj.weight": r(INTER, H),
+              p + "mlp.down_proj.weight": r(H, INTER),
+              p + "input_layernorm.weight": 1 + r(H), p + "post_attention_layernorm.weight": 1 + r(H)}
+        if "DFlash2DraftModel" in cfg["architectures"]:
+            for c in ("attention_conv", "mlp_conv"):
+                t[p + c + ".base_kernel"] = 0.5 + r(2, TAPS, H)
+                t[p + c + ".kernel_projection.weight"] = r(2 * TAPS * H // GROUP, H)
+    if "DFlash2DraftModel" in cfg["architectures"]:
+        t["candidate_selector.predecessor_codebook"] = r(VOCAB, RANK) * 3
+        t["candidate_selector.successor_codebook"] = r(VOCAB, RANK) * 3
+        t["candidate_selector.hidden_projection.weight"] = r(RANK, H)
+    return t
+
+
+def write(path, cfg: dict, tensors: dict) -> DFlash2Drafter:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_file(tensors, str(path / "model.safetensors"))
+    return DFlash2Drafter.from_pretrained(path).eval()
+
+
+def features(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, len(LAYER_IDS) * H, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def compare_rounds(drafter: DFlash2Drafter, cfg: dict, tensors: dict, seed: int = 0) -> tuple[float, int, int]:
+    """Decode-like rounds on one ContextCache against the reference recomputed from scratch each round
+    → (largest hidden-state difference, draft tokens that differ, draft tokens compared)."""
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    embedding, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    everything = features(sum(ROUNDS), seed)
+    anchors = torch.randint(0, MASK, (len(ROUNDS),), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+    cache, worst, differ, total, start = drafter.new_cache(), 0.0, 0, 0, 0
+    keep = drafter.config.context_keep
+    for n, anchor in zip(ROUNDS, anchors):
+        with torch.no_grad():
+            draft = drafter.propose(cache, anchor, everything[None, start:start + n], adapter, 0.0, None)
+            ours = drafter.block_hidden(cache, anchor, adapter)[0]
+        start += n
+        assert cache.keys[0].shape[2] == (start if keep is None else min(start, keep))  # what the cache keeps
+        want = ref.block_hidden(cfg, tensors, embedding, everything[:start], anchor)
+        worst = max(worst, float((ours - want).abs().max()))
+        expected = ref.drafts(cfg, tensors, want, head, anchor)
+        differ += sum(a != b for a, b in zip(draft.tokens.tolist(), expected))
+        total += len(expected)
+    return worst, differ, total
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_layout_drafts_the_published_semantics(tmp_path, layout, version):
+    cfg = reference_config(version, LAYOUTS[layout])
+    tensors = reference_tensors(cfg)
+    worst, differ, total = compare_rounds(write(tmp_path, cfg, tensors), cfg, tensors)
+    assert worst < 1e-10 and differ == 0, f"{layout}: hidden states off by {worst:.2e}, {differ}/{total} drafts differ"
+
+
+@pytest.mark.parametrize("extra", EXTRAS)
+def test_options_and_rope_scaling_draft_the_published_semantics(tmp_path, extra):
+    cfg = reference_config(2, LAYOUTS["mixed-W5-noncausal"] | EXTRAS[extra])
+    tensors = reference_tensors(cfg, seed=3)
+    worst, differ, total = compare_rounds(write(tmp_path, cfg, tensors), cfg, tensors, seed=3)
+    assert worst < 1e-10 and differ == 0, f"{extra}: hidden states off by {worst:.2e}, {differ}/{total} drafts differ"
+
+
+def _per_block_window(layout_mask):
+    def mutant(q, k, causal, window):  # every query of the block measured from the block's first position
+        start = q[..., :1].expand_as(q)
+        return backbone._and(layout_mask(start, k, False, window), layout_mask(q, k, causal, None))
+    return mutant
+
+
+MUTANTS = {
+    "window-per-block": (_per_block_window, ["sliding-W7-noncausal", "sliding-W3-causal-unset", "mixed-W5-noncausal"]),
+    "causality-ignored": (lambda m: lambda q, k, causal, window: m(q, k, False, window),
+                          ["full-causal", "sliding-W7-causal-unset", "mixed-W5-causal-unset"]),
+}
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_the_parity_check_fails_on_layout_mutants(tmp_path, monkeypatch, mutant):
+    make, layouts = MUTANTS[mutant]
+    monkeypatch.setattr(backbone, "layout_mask", make(backbone.layout_mask))
+    for layout in layouts:
+        cfg = reference_config(2, LAYOUTS[layout])
+        tensors = reference_tensors(cfg)
+        worst, differ, _ = compare_rounds(write(tmp_path / layout, cfg, tensors), cfg, tensors)
+        assert worst > 1e-3, f"the mutant {mutant} passes the parity check on {layout}"
+
+
+@pytest.mark.parametrize("layout", ["full-causal", "sliding-W3-noncausal", "sliding-W7-causal-unset",
+                                    "mixed-W5-noncausal", "max_window_layers"])
+def test_batched_drafting_follows_the_published_semantics(tmp_path, layout):
+    """Rows of different context lengths drafted in one pass over a ContextBatch (windows masked,
+    not dropped) give the reference's hidden states and drafts, row by row."""
+    cfg = reference_config(2, LAYOUTS[layout])
+    tensors = reference_tensors(cfg)
+    drafter = write(tmp_path, cfg, tensors)
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    context, everything, lengths = drafter.new_context_batch(), [features(20, s) for s in range(3)], [0, 0, 0]
+    context.add_rows(3)
+    for step in ([11, 3, 16], [2, 5, 1], [4, 1, 3]):
+        news = [everything[r][None, lengths[r]:lengths[r] + n] for r, n in enumerate(step)]
+        lengths = [a + n for a, n in zip(lengths, step)]
+        anchors = [5, 17, 30]
+        with torch.no_grad():
+            drafts = drafter.propose_batch(context, anchors, news, adapter, 0.0, None)
+            hidden, _ = drafter._candidates_batch(context, anchors, adapter, B - 1)
+        for r, anchor in enumerate(anchors):
+            want = ref.block_hidden(cfg, tensors, target.get_input_embeddings().weight.detach(), everything[r][:lengths[r]], anchor)
+            torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
+            assert drafts[r].tokens.tolist() == ref.drafts(cfg, tensors, want, target.get_output_embeddings().weight.detach(),
+                                                           anchor)
+
+
+@pytest.mark.parametrize("layout", ["full-causal", "sliding-W3-noncausal", "sliding-W7-causal-unset",
+                                    "mixed-W5-causal-unset"])
+def test_training_forward_follows_the_published_semantics(tmp_path, layout):
+    """All blocks of a sequence in one masked pass: each block's hidden states are the reference's for
+    the context before its anchor, with windows per query and causality inside the block."""
+    cfg = reference_config(2, LAYOUTS[layout] | EXTRAS["options"])
+    tensors = reference_tensors(cfg)
+    drafter = write(tmp_path, cfg, tensors)
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    T = 24
+    ids = torch.randint(0, MASK, (1, T), generator=torch.Generator().manual_seed(5))
+    feats = features(T, 6)[None]
+    anchors = torch.tensor([[1, 8, 10, 18]])  # overlapping blocks; the first sees one context position
+    with torch.no_grad():
+        out = masked_block_forward(drafter, adapter, ids, feats, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        want = ref.block_hidden(cfg, tensors, target.get_input_embeddings().weight.detach(), feats[0, :a], int(ids[0, a]))
+        torch.testing.assert_close(out.hidden[0, j], want[1:], rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("layout", ["full-causal", "sliding-W3-causal-unset", "mixed-W5-noncausal"])
+def test_causal_and_sliding_drafters_are_lossless(tmp_path, layout):
+    cfg = reference_config(2, LAYOUTS[layout])
+    drafter = write(tmp_path, cfg, reference_tensors(cfg))
+    target = tiny_target("qwen3")
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]]
+    for prompt in prompts:
+        want = hf_greedy(target, prompt, 24)
+        for verify in ("path", "tree"):
+            out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=24, verify=verify)
+            assert out.sequences[0].tolist() == want, verify
+    ids = torch.tensor([[0] * 4 + prompts[1], prompts[0]])
+    rows = spec_generate_batch(drafter, target, ids, (ids != 0) | (torch.arange(8) >= 4), max_new_tokens=24)
+    assert [r.sequences[0].tolist() for r in rows] == [hf_greedy(target, p, 24) for p in prompts[::-1]]
+
+
+# -- exports --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_export_then_load_drafts_identically_and_states_the_layout(tmp_path, layout):
+    cfg = reference_config(2, LAYOUTS[layout])
+    tensors = reference_tensors(cfg)
+    drafter = write(tmp_path / "src", cfg, tensors)
+    drafter.save_pretrained(tmp_path / "out", format="reference")
+    out = json.loads((tmp_path / "out" / "config.json").read_text())
+    again = DFlash2Drafter.from_pretrained(tmp_path / "out")
+    assert again.config.attention_layout == drafter.config.attention_layout
+    layout_fields = drafter.config.attention_layout
+    if any(window is not None for _, window in layout_fields):
+        assert out["use_sliding_window"] is True and out["sliding_window"] == drafter.config.sliding_window
+        assert out["layer_types"] == [drafter.config.layer_type(i) for i in range(drafter.config.num_layers)]
+    if any(drafter.config.layer_type(i) == S for i in range(drafter.config.num_layers)):
+        assert "layer_types" in out and ("is_causal" in out or len({c for c, _ in layout_fields}) > 1)
+    assert out["dtype"] == "float64" and "rope_parameters" in out
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "candidate_selector.predecessor_codebook" in written and not any(k.endswith("codebook.weight") for k in written)
+    assert all(torch.equal(written[k], tensors[k]) for k in tensors)
+    worst, differ, _ = compare_rounds(again, cfg, tensors)
+    assert worst < 1e-10 and differ == 0
+
+
+def test_codebooks_with_a_weight_suffix_load_and_are_written_bare(tmp_path):
+    cfg = reference_config(2, LAYOUTS["sliding-W7-noncausal"])
+    tensors = reference_tensors(cfg)
+    suffixed = {k + (".weight" if k.endswith("codebook") else ""): v for k, v in tensors.items()}
+    drafter = write(tmp_path / "src", cfg, suffixed)
+    assert compare_rounds(drafter, cfg, tensors)[1] == 0
+    drafter.save_pretrained(tmp_path / "out", format="reference")
+    assert set(load_file(str(tmp_path / "out" / "model.safetensors"))) == set(tensors)
+    both = suffixed | {"candidate_selector.successor_codebook": tensors["candidate_selector.successor_codebook"].clone()}
+    with pytest.raises(ValueError, match="twice"):
+        write(tmp_path / "both", cfg, both)
+
+
+def test_from_target_layout_fields_are_exported_for_the_engines(tmp_path):
+    target = tiny_target("qwen3")
+    torch.manual_seed(0)
+    d = DFlash2Drafter.from_target(target, block_size=B, mask_token_id=MASK, num_layers=2, selector_top_k=TOP_K,
+                                   selector_rank=RANK, layer_types=(S, S), sliding_window=9, context_window=12)
+    assert DFlash2Drafter.from_target(target, mask_token_id=MASK).config.attention_layout == ((False, None),)
+    d.save_pretrained(tmp_path, format="reference")
+    out = json.loads((tmp_path / "config.json").read_text())
+    assert {k: out[k] for k in ("layer_types", "use_sliding_window", "sliding_window", "is_causal", "dtype")} == \
+        {"layer_types": [S, S], "use_sliding_window": True, "sliding_window": 9, "is_causal": True, "dtype": "float64"}
+    assert out["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0} and "rope_theta" not in out
+    again = DFlash2Drafter.from_pretrained(tmp_path)
+    assert again.config.context_window is None  # a run-time option, not part of the published format
+    assert again.config.attention_layout == d.config.attention_layout == ((True, 9), (True, 9))
+
+
+# -- the released DFlash 2 layout -----------------------------------------------------------------
+PUBLISHED = {
+    "architectures": ["DFlash2DraftModel"], "model_type": "qwen3", "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 200000, "eos_token_id": 200001, "pad_token_id": 200018, "is_causal": False, "dtype": "bfloat16",
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 6656, "initializer_range": 0.02,
+    "intermediate_size": 19968, "layer_types": [S] * 5, "max_position_embeddings": 131072, "max_window_layers": 5,
+    "num_attention_heads": 32, "num_hidden_layers": 5, "num_key_value_heads": 8, "num_target_layers": 52,
+    "rms_norm_eps": 1e-05, "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+    "sliding_window": 2048, "use_sliding_window": True, "tie_word_embeddings": False,
+    "transformers_version": "5.15.0", "use_cache": False, "vocab_size": 202048,
+    "dflash_config": {"block_size": 16, "conv_group_size": 16, "conv_kernel_size": 2, "final_logit_softcapping": 20.0,
+                      "mask_token_id": 201818, "output_multiplier": 0.19611613513818404, "selector_rank": 256,
+                      "selector_top_k": 16, "target_layer_ids": [1, 13, 25, 37, 49]},
+}
+
+
+def test_the_published_config_reads_and_writes_back_field_for_field():
+    config = config_from_reference(PUBLISHED)
+    assert config.attention_layout == ((False, 2048),) * 5 and config.block_size == 16
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
+    assert config.output_multiplier == PUBLISHED["dflash_config"]["output_multiplier"]
+    assert reference_from_config(config, torch.bfloat16) == PUBLISHED
+
+
+def test_the_published_drafter_has_the_published_tensor_names_and_shapes(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(PUBLISHED))  # no weights: nothing of 2.7B is allocated
+    drafter = DFlash2Drafter.from_pretrained(tmp_path, device="meta")
+    names = dict(drafter.state_dict())
+    from dflash2.reference_format import reference_from_state
+    shapes = {k: tuple(v.shape) for k, v in reference_from_state(names).items()}
+    want = {"fc.weight": (6656, 33280), "norm.weight": (6656,), "hidden_norm.weight": (6656,),
+            "candidate_selector.predecessor_codebook": (202048, 256),
+            "candidate_selector.successor_codebook": (202048, 256),
+            "candidate_selector.hidden_projection.weight": (256, 6656)}
+    for i in range(5):
+        p = f"layers.{i}."
+        want |= {p + "self_attn.q_proj.weight": (4096, 6656), p + "self_attn.k_proj.weight": (1024, 6656),
+                 p + "self_attn.v_proj.weight": (1024, 6656), p + "self_attn.o_proj.weight": (6656, 4096),
+                 p + "self_attn.q_norm.weight": (128,), p + "self_attn.k_norm.weight": (128,),
+                 p + "mlp.gate_proj.weight": (19968, 6656), p + "mlp.up_proj.weight": (19968, 6656),
+                 p + "mlp.down_proj.weight": (6656, 19968), p + "input_layernorm.weight": (6656,),
+                 p + "post_attention_layernorm.weight": (6656,)}
+        for c in ("attention_conv", "mlp_conv"):
+            want |= {p + c + ".base_kernel": (2, 2, 6656), p + c + ".kernel_projection.weight": (1664, 6656)}
+    assert shapes == want
+    assert all(v.device.type == "meta" and v.dtype == torch.bfloat16 for v in names.values())
+    assert sum(v.numel() for v in names.values()) > 2.6e9
+
+
+def test_gemma_targets_scale_the_raw_embedding_matrix_explicitly():
+    """The drafter embeds with the target's raw matrix; Gemma's module multiplies by √H, so from_target
+    sets input_embedding_scale to that factor and the block embedding is what the module gives."""
+    target = tiny_target("gemma3")
+    d = DFlash2Drafter.from_target(target, mask_token_id=MASK, block_size=4)
+    assert d.config.input_embedding_scale == pytest.approx(H ** 0.5)
+    ids = torch.tensor([[3, MASK, MASK, MASK]])
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    torch.testing.assert_close(d.embed_block(ids, adapter), target.get_input_embeddings()(ids), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(d.embed_block(ids, adapter),
+                               torch.nn.functional.embedding(ids, target.get_input_embeddings().weight) * H ** 0.5)
+    assert DFlash2Drafter.from_target(tiny_target("qwen3"), mask_token_id=MASK).config.input_embedding_scale is None
