@@ -187,10 +187,51 @@ def main() -> int:
                             "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. "
                             "`dflash2_tree<M>` verifies an M-node token tree per row in the same batched pass (each "
                             "row's nodes at their own depths, each seeing its ancestors). " + _dtype_note("bench_concurrency"))
-    lines += _ablation_section() + _profile_section()
+    lines += _ablation_section() + _profile_section() + _serve_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
     return 0
+
+
+def _serve_section() -> list[str]:
+    """The embedded drafters exported in the reference format and served by vLLM (experiments/serve/)."""
+    files = sorted((RESULTS / "serve_vllm").glob("results*.json"))
+    if not files:
+        return []
+    lines = ["## Served by vLLM", "",
+             "`python experiments/serve/serve_vllm.py --vllm-python VENV/bin/python [--sliding-window W]`: the embedded "
+             "drafters exported with `save_pretrained(format=\"reference\")`, served by vLLM's offline API next to the "
+             "embedded target (greedy, 15 speculative tokens), and our loop on the same prompts. τ is committed tokens "
+             "per verification round (vLLM: 1 + accepted / drafts from its spec-decode counters). With a sliding window "
+             "both sides run the drafter with every layer `sliding_attention`, window W, `is_causal: false`. These runs "
+             "check fidelity, not speed (docs/results/serve_vllm/ keeps the JSON).", "",
+             "| run | drafter | vLLM outputs = target greedy | τ ours | τ vLLM | vLLM / ours |", "|---|---|---|---|---|---|"]
+    for path in files:
+        data = json.loads(path.read_text())
+        meta = data["meta"]
+        run = (f"{meta['dataset'].split(',')[0]}, {meta['prompts']} prompts × {meta['max_new_tokens']} tokens, vLLM "
+               f"{meta.get('vllm')}, " + (f"window {meta['sliding_window']}" if meta.get("sliding_window") else "as trained"))
+        for row in data["rows"]:
+            if "ours_tau" not in row:
+                continue
+            if row.get("error"):
+                lines_of = row["error"].splitlines()
+                reason = next((x.strip() for x in lines_of if "Value error" in x), lines_of[0])
+                lines.append(f"| {run} | {row['method']} | refused: {reason.split(' [type=')[0][:160]} | "
+                             f"{row['ours_tau']:.3f} | — | — |")
+            else:
+                lines.append(f"| {run} | {row['method']} | {row['equals_target_greedy']} | {row['ours_tau']:.3f} | "
+                             f"{row['vllm_tau']:.3f} | {row['tau_ratio']:.3f} |")
+    lines += ["", "Per-position acceptance (share of rounds whose draft position i was accepted), ours / vLLM:", ""]
+    for path in files:
+        data = json.loads(path.read_text())
+        for row in data["rows"]:
+            if row.get("vllm_acceptance_by_position"):
+                pairs = zip(row["ours_acceptance_by_position"], row["vllm_acceptance_by_position"])
+                window = data["meta"].get("sliding_window")
+                lines.append(f"- {row['method']}" + (f", window {window}" if window else "") + ": "
+                             + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs))
+    return lines + [""]
 
 
 def _runs_section(folder: Path) -> list[str]:

@@ -1,0 +1,82 @@
+"""Runs one vLLM offline job in the interpreter of a venv that has vLLM; imports nothing of dflash2.
+
+    python dflash2/vllm_worker.py JOB.json RESULT.json
+
+JOB holds the target directory, an optional drafter directory (published DFlash format), token-id
+prompts and sampling settings; RESULT gets the generated token ids, wall time after an untimed
+warm-up, the engine's spec-decode counters, or the error with which vLLM refused the job.
+`dflash2.vllm_engine` writes the job, starts this file and reads the result.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import traceback
+
+
+def counters(llm) -> dict:
+    """The engine's cumulative spec-decode counters (drafts, draft tokens, accepted, accepted per position)."""
+    out = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "accepted_per_position": []}
+    names = {"vllm:spec_decode_num_drafts": "drafts", "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens": "accepted"}
+    for metric in llm.get_metrics():
+        if metric.name in names:
+            out[names[metric.name]] += int(metric.value)
+        elif metric.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            out["accepted_per_position"] = _add(out["accepted_per_position"], list(metric.values))
+    return out
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)]
+
+
+def run(job: dict) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(model=job["target"], tokenizer=job.get("tokenizer") or job["target"], dtype=job.get("dtype", "float32"),
+                  seed=0, disable_log_stats=False, enforce_eager=bool(job.get("enforce_eager", False)),
+                  max_model_len=int(job.get("max_model_len", 2048)))
+    if job.get("drafter"):
+        kwargs["speculative_config"] = {"method": job.get("method", "dflash"), "model": job["drafter"],
+                                        "num_speculative_tokens": int(job["num_speculative_tokens"])}
+    kwargs.update(job.get("llm_kwargs", {}))
+    try:
+        llm = LLM(**kwargs)
+    except Exception as error:  # the engine refuses the job: report it, do not crash the caller
+        return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+    params = SamplingParams(temperature=float(job.get("temperature", 0.0)), max_tokens=int(job["max_new_tokens"]),
+                            ignore_eos=bool(job.get("ignore_eos", True)), seed=0)
+    prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
+    if job.get("warmup", True):  # compilation and first-call costs stay out of the timing
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    before = counters(llm)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    after = counters(llm)
+    spec = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    spec["accepted_per_position"] = _add(after["accepted_per_position"], [-a for a in before["accepted_per_position"]])
+    import vllm
+
+    return {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "wall_s": wall, "spec_decode": spec,
+            "vllm_version": vllm.__version__}
+
+
+def main() -> None:
+    job_path, result_path = sys.argv[1], sys.argv[2]
+    with open(job_path) as f:
+        job = json.load(f)
+    try:
+        result = run(job)
+    except Exception as error:
+        result = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":  # vLLM spawns workers that re-import this file
+    main()
