@@ -227,12 +227,16 @@ def test_backbone_rows_gives_the_first_rows_of_the_whole_block(conv):
 
 
 @pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
-def test_compiled_backbone_drafts_what_the_eager_one_does():
+@pytest.mark.parametrize("layout", [{}, {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4}],
+                         ids=["full", "sliding-causal-W4"])
+def test_compiled_backbone_drafts_what_the_eager_one_does(layout):
     """backbone.compile() compiles the block pass and the context projection; over growing contexts
-    (dynamic shapes) both must match eager. (The quick bench test decodes with compiled drafters.)"""
+    (dynamic shapes) both must match eager, with the published layouts' masks too. (The quick bench
+    test decodes with compiled drafters.)"""
     target = copy.deepcopy(tiny_target("qwen3")).float()  # the cached float64 target must stay as it is
     torch.manual_seed(4)
-    eager = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=MASK).float().eval()
+    eager = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=MASK,
+                                       **layout).float().eval()
     for p in eager.parameters():
         torch.nn.init.normal_(p, std=0.2)
     fast = DFlash2Drafter(eager.config).float().eval()
