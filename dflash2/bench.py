@@ -42,6 +42,24 @@ With `concurrency: [1, 8, 32]` the methods of our loop (ar, dflash1, dflash2_*) 
 prompt set with that many rows in flight (spec_generate_batch / ar_generate_batch with continuous
 batching: a finished row's place goes to the next prompt, as in a serving engine); tokens/s is then
 the set's total over its wall time and speedup is against batched AR at the same concurrency.
+With `vllm_python: VENV/bin/python` (a venv with vLLM, docs/checkpoints.md) the table also gets the
+engine a user would pick instead, run through `dflash2.vllm_engine` in that interpreter, on the same
+prompts in the same invocation (after our methods of each table, not interleaved: another process):
+
+    vllm_ar          vLLM plain decoding
+    vllm_dflash1     vLLM with our DFlash-1 drafter exported in the reference format
+    vllm_dflash2     the same with DFlash 2 (where the engine runs it; a refusal is a row saying so)
+
+with the engine's τ from its spec-decode counters. At concurrency 1 each request runs alone and is
+timed alone; at concurrency c the set is submitted at once with `max_num_seqs=c`.
+Every row has three ratios: `speedup` (median of per-prompt tokens/s ratios against our AR, as
+above), `tokens_per_s_ratio` (total tokens/s against our AR's) and `speedup_vs_fastest_ar` (total
+tokens/s against the fastest plain decoding of the table: ours, HF generate or vLLM's).
+
+Timings are only results on a quiet machine. Every table records the 1-minute load average before
+and after, the threads, and `other_cpu`: CPU seconds that other processes used while it ran, per
+second of wall time (from /proc/stat, minus this process and its children); `busy` is true when
+other_cpu > 0.1, and a busy table says so in bold at its top.
 `--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
@@ -52,6 +70,7 @@ import copy
 import dataclasses
 import datetime
 import json
+import os
 import platform
 import re
 import statistics
@@ -78,6 +97,9 @@ COMPILED = "_compiled"  # before the dtype suffix: a drafter whose backbone runs
 HF_BASELINES = ("hf_prompt_lookup", "hf_assisted")  # HF's speculative decoding: the drafters to beat
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
                "dflash2_argmax", "dflash2_tree")
+VLLM_METHODS = ("vllm_ar", "vllm_dflash1", "vllm_dflash2")  # with vllm_python: the engine, in its own venv
+PLAIN_DECODING = ("ar", "hf_generate", "vllm_ar")  # speedup_vs_fastest_ar is against the fastest of these
+BUSY = 0.1  # other processes' CPU seconds per wall second above which a table is marked busy
 
 
 @dataclass
@@ -106,15 +128,27 @@ class BenchConfig:
     # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.
     drafter_dtypes: list[str] = field(default_factory=lambda: ["float32"])
     repetitions: int = 3
+    # The python of a venv with vLLM: adds the vllm_* rows (the engine in a subprocess; never imported here).
+    vllm_python: str | None = None
     seed: int = 0
     out: str = "docs/results/bench"
     quick: bool = False
 
     def __post_init__(self) -> None:
         self.drafter_dtypes = [resolve_dtype(d) for d in self.drafter_dtypes]
-        bad = sorted(set(self.methods) - set(ALL_METHODS))
+        bad = sorted(set(self.methods) - set(ALL_METHODS) - set(VLLM_METHODS))
         if bad:
-            raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS)}")
+            raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS + VLLM_METHODS)}")
+        if self.vllm_python is not None:
+            if not Path(self.vllm_python).is_file():
+                raise ValueError(f"vllm_python {self.vllm_python!r} is not a file (the python of a venv with vLLM)")
+            if self.quick:
+                raise ValueError("vllm_python needs a real target directory; --quick runs random in-memory models")
+            if not set(self.methods) & set(VLLM_METHODS):  # naming none of them asks for all of them
+                self.methods = [*self.methods, *VLLM_METHODS]
+        elif set(self.methods) & set(VLLM_METHODS):
+            raise ValueError(f"methods {sorted(set(self.methods) & set(VLLM_METHODS))} need vllm_python "
+                             "(the python of a venv with vLLM)")
         bad = sorted(set(self.settings) - set(SETTINGS))
         if bad:
             raise ValueError(f"unknown settings {bad}; known: {list(SETTINGS)}")
@@ -155,6 +189,61 @@ def cpu_description() -> str:
     """The CPU as the benchmark tables need it: vector extension, bfloat16 support, threads."""
     bf16 = "native bfloat16" if native_bf16() else "no native bfloat16"
     return f"CPU {torch.backends.cpu.get_cpu_capability()}, {bf16}, {torch.get_num_threads()} threads"
+
+
+# -- is the machine quiet? ------------------------------------------------------------------------------
+class LoadMonitor:
+    """CPU use of other processes while a table runs: the machine's busy CPU time (/proc/stat) minus
+    this process's and its children's, per second of wall time, and the 1-minute load average
+    before and after (for the record: our own threads raise it too)."""
+
+    def __init__(self) -> None:
+        self.load_before = _loadavg()
+        self.start = (time.perf_counter(), _busy_cpu_s(), _own_cpu_s())
+
+    def record(self) -> dict[str, Any]:
+        wall, busy, own = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+        other = None
+        if busy is not None and self.start[1] is not None and wall > self.start[0]:
+            other = max(0.0, (busy - self.start[1]) - (own - self.start[2])) / (wall - self.start[0])
+        return dict(load_before=self.load_before, load_after=_loadavg(), threads=torch.get_num_threads(),
+                    other_cpu=None if other is None else round(other, 3),
+                    busy=None if other is None else other > BUSY)
+
+
+def _loadavg() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (OSError, AttributeError):
+        return None
+
+
+def _busy_cpu_s() -> float | None:
+    """Seconds of CPU time the whole machine spent busy (all but idle and iowait), from /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
+def load_note(load: dict[str, Any]) -> str:
+    """The load record as the markdown header says it; bold when the table ran on a busy machine."""
+    other = "unknown" if load.get("other_cpu") is None else f"{load['other_cpu']:.2f}"
+    text = (f"load average {load.get('load_before')} before, {load.get('load_after')} after; {load.get('threads')} "
+            f"threads; other processes' CPU {other} s per s")
+    if load.get("busy"):
+        return f"**Busy machine: other processes used {other} CPU s per s while this table ran; its timings are not " \
+               f"results.** ({text})"
+    return f"Quiet machine: {text}." if load.get("busy") is False else f"Load: {text}."
 
 
 # -- models and prompts -----------------------------------------------------------------------------
@@ -337,7 +426,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
 
     tokenizer, target, drafters, ar_draft = load_models(cfg)
     stops = [tokenizer.eos_token_id]
-    rows, sources = [], {}
+    rows, sources, tables, whole = [], {}, [], LoadMonitor()
     for dataset in cfg.datasets:
         texts, sources[dataset] = load_prompts(dataset, cfg.num_prompts)
         prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
@@ -350,6 +439,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                     inputs = [left_pad(prompts, stops[0])]  # the whole set, conc rows in flight
                 for setting_name in cfg.settings:
                     setting = SETTINGS[setting_name]
+                    monitor = LoadMonitor()
                     runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
                     warm = conc == 1  # one untimed run of each method first (compiles, first-call costs)
                     total = (cfg.repetitions * len(inputs) + warm) * len(methods)
@@ -363,9 +453,39 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                                 runs[name].append((rep, p, fn(ids, setting, cfg.seed + 1000 * rep + p)))
                                 bar.update()
                     bar.close()
-                    rows += [dict(r, concurrency=conc) for r in summarize(runs, dataset, block, setting_name, setting)]
-    write_outputs(cfg, rows, sources)
+                    engine = dict(run_engine(cfg, drafters, prompts, block, conc, setting, stops, runs))
+                    load = monitor.record()
+                    tables.append(dict(dataset=dataset, block_size=block, concurrency=conc, setting=setting_name, **load))
+                    rows += [dict(r, concurrency=conc, busy=load["busy"])
+                             for r in summarize(runs, dataset, block, setting_name, setting, engine)]
+    write_outputs(cfg, rows, sources, dict(whole.record(), tables=tables))
     return rows
+
+
+def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: list[torch.Tensor], block: int,
+               conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
+    """The vllm_* methods of one table, through dflash2.vllm_engine in cfg.vllm_python: fills `runs`
+    (per prompt at concurrency 1, the whole set otherwise) and yields (method, VLLMResult)."""
+    from .vllm_engine import run_vllm
+
+    for method in (m for m in VLLM_METHODS if m in cfg.methods):
+        kind, export = method.removeprefix("vllm_"), None
+        if method != "vllm_ar":
+            if kind not in drafters:
+                continue
+            export = Path(cfg.out) / "vllm_drafters" / f"{kind}_B{block}"
+            drafters[kind].with_config(block_size=block).save_pretrained(export, format="reference")
+        result = run_vllm(cfg.vllm_python, _resolve(cfg.target), [p[0].tolist() for p in prompts],
+                          max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
+                          tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
+                          repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
+                          threads=torch.get_num_threads(), **setting)
+        runs[method] = [] if result.error else [
+            (rep, p, Run(len(out), wall)) for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))
+            for p, (wall, out) in enumerate(zip(walls, outs))] if conc == 1 else [
+            (rep, 0, Run(sum(map(len, outs)), walls[0]))
+            for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))]
+        yield method, result
 
 
 def _median_ratio(items, base: dict) -> float | None:
@@ -384,8 +504,13 @@ def _tokens_per_s(items) -> float:
     return sum(r.new_tokens for _, _, r in items) / seconds if seconds else 0.0
 
 
-def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any]]:
+def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[dict[str, Any]]:
+    """One row per method of a table. `engine`: the vllm_* methods' VLLMResults (their τ, errors)."""
+    engine = engine or {}
     base = {(rep, p): r for rep, p, r in runs["ar"]} if "ar" in runs else {}
+    ar_tps = _tokens_per_s(runs["ar"]) if runs.get("ar") else None
+    plain = {m: _tokens_per_s(runs[m]) for m in PLAIN_DECODING if runs.get(m)}
+    fastest = max(plain, key=plain.get, default=None)
     # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
     hf = max((m for m in HF_BASELINES if m in runs), key=lambda m: _tokens_per_s(runs[m]), default=None)
     best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
@@ -394,6 +519,19 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
         row = dict(method=name, dataset=dataset, block_size=block, setting=setting_name, **setting,
                    tokens_per_s=_tokens_per_s(items), speedup=_median_ratio(items, base), runs=len(items),
                    new_tokens=sum(r.new_tokens for _, _, r in items))
+        row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        if fastest:
+            row.update(fastest_ar=fastest, speedup_vs_fastest_ar=row["tokens_per_s"] / plain[fastest])
+        if name in engine:
+            result = engine[name]
+            row.update(engine="vllm " + str(result.vllm_version), error=result.error)
+            if result.error:
+                row.update(tokens_per_s=None, speedup=None, tokens_per_s_ratio=None, speedup_vs_fastest_ar=None)
+            row["tau"] = 1.0 if name == "vllm_ar" and not result.error else result.tau
+            if result.acceptance_by_position:
+                row["acceptance_by_position"] = result.acceptance_by_position
+            rows.append(row)
+            continue
         if hf and name.startswith("dflash"):
             row.update(best_hf_baseline=hf, speedup_vs_best_hf=_median_ratio(items, best),
                        tokens_per_s_vs_best_hf=row["tokens_per_s"] / _tokens_per_s(runs[hf]))
@@ -421,30 +559,49 @@ def summarize(runs, dataset, block, setting_name, setting) -> list[dict[str, Any
     return rows
 
 
-def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str]) -> None:
+def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str],
+                  load: dict[str, Any] | None = None) -> None:
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
+    load = load or {}
     meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(now.date()),
                 finished=now.strftime("%H:%M UTC"), commit=_commit(), machine=platform.platform(),
                 cpu=cpu_description(), torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
-                sources=sources)
+                sources=sources, **load)
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     at = f" at {meta['commit']}" if meta["commit"] else ""
+    busy = [t for t in load.get("tables", []) if t.get("busy")]
     lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
-             f"{meta['cpu']}.", "",
+             f"{meta['cpu']}.", "", load_note(load) if load else "Load: not recorded.", "",
+             *[f"**Busy: {t['dataset']}, B={t['block_size']}, concurrency {t['concurrency']}, {t['setting']}: other "
+               f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
              *[f"- {name}: {src}" for name, src in sources.items()], "",
-             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup vs AR | vs faster HF spec. |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back; ratio: total "
+             "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "
+             "table (ours, HF generate or vLLM).", "",
+             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup | ratio | vs fastest plain "
+             "| vs faster HF spec. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec=".2f", unit="×": "—" if v is None else f"{v:{spec}}{unit}"  # noqa: E731
     for r in rows:
-        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "—"
-        speed = f"{r['speedup']:.2f}×" if r["speedup"] is not None else "—"
         hf = (f"{r['speedup_vs_best_hf']:.2f}× ({r['tokens_per_s_vs_best_hf']:.2f}× by totals)"
               if r.get("speedup_vs_best_hf") is not None else "—")
-        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | {tau} | "
-                     f"{r['tokens_per_s']:.1f} | {speed} | {hf} |")
+        fastest = (f"{r['speedup_vs_fastest_ar']:.2f}× ({r['fastest_ar']})"
+                   if r.get("speedup_vs_fastest_ar") is not None else "—")
+        tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {_short(r['error'])}"
+        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | "
+                     f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])} | {fmt(r.get('tokens_per_s_ratio'))} "
+                     f"| {fastest} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+
+
+def _short(error: str) -> str:
+    """The line of an engine's error that says why (pydantic wraps vLLM's reason in several lines)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    reason = next((x for x in lines if x.startswith("Value error")), lines[0] if lines else error)
+    return reason.split(" [type=")[0].replace("|", "/")[:160]
 
 
 def _commit() -> str | None:
@@ -475,11 +632,11 @@ def _plot(rows, out: Path) -> None:
     fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
     for ax, group in zip(axes[0], groups):
         sel = [r for r in rows if key(r) == group]
-        ax.bar([r["method"] for r in sel], [r["speedup"] or 0 for r in sel])
+        ax.bar([r["method"] for r in sel], [r.get("tokens_per_s_ratio") or 0 for r in sel])
         ax.axhline(1.0, color="grey", lw=0.8)
         dataset, block, conc, setting = group
         ax.set_title(f"{dataset}, B={block}, c={conc}, {setting}", fontsize=9)
-        ax.set_ylabel("speedup vs AR")
+        ax.set_ylabel("tokens/s ÷ our AR's")
         ax.tick_params(axis="x", rotation=60, labelsize=7)
     fig.tight_layout()
     fig.savefig(out / "speedup.png", dpi=110)

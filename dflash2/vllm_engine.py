@@ -27,11 +27,15 @@ WORKER = Path(__file__).with_name("vllm_worker.py")
 
 @dataclass
 class VLLMResult:
-    """What vLLM did with one job: outputs (generated token ids per prompt, prompt excluded), wall
-    seconds of the timed generate call, the spec-decode counters, or the error it refused with."""
+    """What vLLM did with one job: outputs (generated token ids per prompt, prompt excluded, of the
+    first repetition), wall seconds of its timed generate calls, every repetition's wall times
+    (`walls[rep]`: one per prompt with per_prompt, else one for the set) and outputs, the
+    spec-decode counters over all repetitions, or the error it refused with."""
 
     outputs: list[list[int]] = field(default_factory=list)
     wall_s: float = 0.0
+    walls: list[list[float]] = field(default_factory=list)
+    repetition_outputs: list[list[list[int]]] = field(default_factory=list)
     spec_decode: dict[str, Any] = field(default_factory=dict)
     vllm_version: str | None = None
     error: str | None = None
@@ -58,16 +62,20 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
              drafter: str | Path | None = None, num_speculative_tokens: int = 15, temperature: float = 0.0,
              dtype: str = "float32", enforce_eager: bool = False, max_model_len: int = 2048,
              tokenizer: str | Path | None = None, llm_kwargs: dict[str, Any] | None = None,
-             threads: int | None = None, timeout_s: float = 1800) -> VLLMResult:
-    """Generate `max_new_tokens` per prompt (EOS ignored) with vLLM in the interpreter `python`.
-    Never raises for what vLLM does: a refusal or crash comes back as `error`."""
+             threads: int | None = None, timeout_s: float = 1800, top_k: int = 0, top_p: float = 1.0,
+             stop_token_ids: list[int] | None = None, repetitions: int = 1, per_prompt: bool = False) -> VLLMResult:
+    """Generate up to `max_new_tokens` per prompt with vLLM in the interpreter `python` (EOS ignored
+    unless `stop_token_ids` are given), `repetitions` times after an untimed warm-up; per_prompt
+    submits one request at a time and times each (batch 1). Never raises for what vLLM does: a
+    refusal or crash comes back as `error`."""
     python = Path(python)
     if not python.is_file():
         raise FileNotFoundError(f"no Python interpreter at {python} (the vllm_python of a venv with vLLM)")
     job = dict(target=str(target), tokenizer=str(tokenizer) if tokenizer else None, prompts=prompts,
                max_new_tokens=max_new_tokens, drafter=str(drafter) if drafter else None,
                num_speculative_tokens=num_speculative_tokens, temperature=temperature, dtype=dtype,
-               enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=llm_kwargs or {})
+               enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=llm_kwargs or {}, top_k=top_k,
+               top_p=top_p, stop_token_ids=stop_token_ids or [], repetitions=repetitions, per_prompt=per_prompt)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -85,7 +93,8 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
         data = json.loads(result_path.read_text())
     if "error" in data:
         return VLLMResult(error=data["error"], log_tail=data.get("traceback", "") + log[-2000:])
-    return VLLMResult(outputs=data["outputs"], wall_s=data["wall_s"], spec_decode=data["spec_decode"],
+    return VLLMResult(outputs=data["outputs"], wall_s=data["wall_s"], walls=data["walls"],
+                      repetition_outputs=data["repetition_outputs"], spec_decode=data["spec_decode"],
                       vllm_version=data.get("vllm_version"), log_tail=log)
 
 

@@ -48,22 +48,35 @@ def run(job: dict) -> dict:
         llm = LLM(**kwargs)
     except Exception as error:  # the engine refuses the job: report it, do not crash the caller
         return {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()[-4000:]}
-    params = SamplingParams(temperature=float(job.get("temperature", 0.0)), max_tokens=int(job["max_new_tokens"]),
-                            ignore_eos=bool(job.get("ignore_eos", True)), seed=0)
+    params = SamplingParams(temperature=float(job.get("temperature", 0.0)), top_k=int(job.get("top_k", 0)) or -1,
+                            top_p=float(job.get("top_p", 1.0)), max_tokens=int(job["max_new_tokens"]),
+                            ignore_eos=not job.get("stop_token_ids"), stop_token_ids=job.get("stop_token_ids") or None,
+                            seed=0)
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
     if job.get("warmup", True):  # compilation and first-call costs stay out of the timing
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     before = counters(llm)
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    wall = time.perf_counter() - start
+    walls, outputs = [], []
+    for _ in range(int(job.get("repetitions", 1))):
+        if job.get("per_prompt"):  # one request at a time, each timed alone (batch 1)
+            rep_walls, rep_outputs = [], []
+            for prompt in prompts:
+                start = time.perf_counter()
+                rep_outputs += llm.generate([prompt], params, use_tqdm=False)
+                rep_walls.append(time.perf_counter() - start)
+        else:  # the whole set submitted at once; the engine batches up to max_num_seqs rows
+            start = time.perf_counter()
+            rep_outputs = llm.generate(prompts, params, use_tqdm=False)
+            rep_walls = [time.perf_counter() - start]
+        walls.append(rep_walls)
+        outputs.append([list(o.outputs[0].token_ids) for o in rep_outputs])
     after = counters(llm)
     spec = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     spec["accepted_per_position"] = _add(after["accepted_per_position"], [-a for a in before["accepted_per_position"]])
     import vllm
 
-    return {"outputs": [list(o.outputs[0].token_ids) for o in outputs], "wall_s": wall, "spec_decode": spec,
-            "vllm_version": vllm.__version__}
+    return {"outputs": outputs[0], "wall_s": sum(walls[0]), "walls": walls, "repetition_outputs": outputs,
+            "spec_decode": spec, "vllm_version": vllm.__version__}
 
 
 def main() -> None:

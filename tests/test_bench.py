@@ -49,11 +49,53 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     assert data["meta"]["finished"].endswith(" UTC") and (commit is None or f"` at {commit}, finished" in first_line)
     assert (out / "results.md").read_text().count("\n| ") >= len(rows)
     assert (out / "speedup.png").stat().st_size > 1000
+    # the load record: every table's and the whole run's, in the JSON and the markdown header
+    meta, md = data["meta"], (out / "results.md").read_text()
+    for record in (meta, *meta["tables"]):
+        assert {"load_before", "load_after", "threads", "other_cpu", "busy"} <= set(record)
+        assert record["other_cpu"] >= 0 and record["busy"] == (record["other_cpu"] > 0.1)
+    assert len(meta["tables"]) == len({(r["dataset"], r["concurrency"], r["setting"]) for r in rows})
+    assert ("Busy machine" in md) == meta["busy"] and ("**Busy:" in md) == any(t["busy"] for t in meta["tables"])
+    assert f"load average {meta['load_before']} before" in md
+    for r in rows:  # ratios of totals against our AR and against the fastest plain decoding of the table
+        group = {x["method"]: x for x in rows if (x["dataset"], x["setting"], x["concurrency"]) ==
+                 (r["dataset"], r["setting"], r["concurrency"])}
+        assert r["tokens_per_s_ratio"] == pytest.approx(r["tokens_per_s"] / group["ar"]["tokens_per_s"])
+        plain = [group[m] for m in ("ar", "hf_generate") if m in group]
+        fastest = max(plain, key=lambda x: x["tokens_per_s"])
+        assert r["fastest_ar"] == fastest["method"]
+        assert r["speedup_vs_fastest_ar"] == pytest.approx(r["tokens_per_s"] / fastest["tokens_per_s"])
 
 
-def test_bad_bench_config_exits_2(capsys):
+def test_load_monitor_sees_another_busy_process():
+    """A second process spinning on a core while the table runs must show up as other_cpu (and busy)."""
+    import subprocess
+    import sys
+    import time
+
+    from dflash2.bench import LoadMonitor
+
+    monitor = LoadMonitor()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    spinner.wait()  # a child: this process's children are not "other" processes
+    own = monitor.record()
+    assert own["other_cpu"] is not None and own["other_cpu"] < 0.8  # the waited-for child's CPU counts as ours
+    outsider = subprocess.Popen(["sh", "-c", f"{sys.executable} -c 'import time\nt = time.time()\nwhile time.time() - t < 1.5: pass' & wait"],
+                                start_new_session=True)
+    monitor = LoadMonitor()
+    time.sleep(1.0)
+    busy = monitor.record()
+    outsider.wait()
+    assert busy["other_cpu"] > 0.5 and busy["busy"] is True
+
+
+def test_bad_bench_config_exits_2(capsys, tmp_path):
     assert main(["--quick", "methods=[warp_drive]"]) == 2
     assert "unknown methods" in capsys.readouterr().err
+    assert main(["--quick", "methods=[ar,vllm_ar]"]) == 2
+    assert "need vllm_python" in capsys.readouterr().err
+    assert main(["--quick", f"vllm_python={tmp_path / 'nope'}"]) == 2
+    assert "is not a file" in capsys.readouterr().err
 
 
 def test_drafter_dtypes_add_suffixed_rows(tmp_path):
