@@ -16,6 +16,7 @@ from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_gen
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams, greedy_token, process_logits
 from .selector import ArgmaxSelector, ViterbiSelector, WalkSelector, viterbi_path
+from .static_target import StaticTarget
 from .target import TargetAdapter
 from .tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
 from .verify import Draft, Verdict, commit, verify_block
@@ -25,7 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
     "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
-    "SamplingParams", "TargetAdapter", "TokenTree", "TorchRandom", "TreeVerdict", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
+    "SamplingParams", "StaticTarget", "TargetAdapter", "TokenTree", "TorchRandom", "TreeVerdict", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
     "WalkSelector", "ar_generate", "ar_generate_batch", "best_first_tree", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",
     "spec_generate", "spec_generate_batch", "verify_block", "verify_tree", "viterbi_path",
 ]

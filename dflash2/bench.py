@@ -26,6 +26,10 @@ to `out`. Methods:
                      with the drafter's backbone through torch.compile (dynamic shapes), batch 1 only;
                      the target runs eager in every row
 
+With `target_steps: [hf, static]` every batch-1 method of our loop also runs with the target's step
+through `StaticTarget` (the model's layers over a preallocated cache, torch.compile'd: rows end in
+`_static`; compiled in the untimed warm-up run); "hf" is the model's own forward (TargetAdapter).
+
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
 the committed tokens are the same; a half-precision drafter only moves fewer bytes (fast on CPUs with
@@ -50,7 +54,8 @@ prompts in the same invocation (after our methods of each table, not interleaved
     vllm_dflash1     vLLM with our DFlash-1 drafter exported in the reference format
     vllm_dflash2     the same with DFlash 2 (where the engine runs it; a refusal is a row saying so)
 
-with the engine's τ from its spec-decode counters. At concurrency 1 each request runs alone and is
+with the engine's τ from its spec-decode counters, once per dtype of `vllm_dtypes` (float32, as our
+target, and/or bfloat16: rows end in `_bf16`). At concurrency 1 each request runs alone and is
 timed alone; at concurrency c the set is submitted at once with `max_num_seqs=c`.
 Every row has three ratios: `speedup` (median of per-prompt tokens/s ratios against our AR, as
 above), `tokens_per_s_ratio` (total tokens/s against our AR's) and `speedup_vs_fastest_ar` (total
@@ -94,11 +99,13 @@ SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # of drafter method names
 COMPILED = "_compiled"  # before the dtype suffix: a drafter whose backbone runs through torch.compile
+STATIC = "_static"  # last of all: the target's step runs through StaticTarget (compiled), batch 1
+TARGET_STEPS = ("hf", "static")
 HF_BASELINES = ("hf_prompt_lookup", "hf_assisted")  # HF's speculative decoding: the drafters to beat
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
                "dflash2_argmax", "dflash2_tree")
 VLLM_METHODS = ("vllm_ar", "vllm_dflash1", "vllm_dflash2")  # with vllm_python: the engine, in its own venv
-PLAIN_DECODING = ("ar", "hf_generate", "vllm_ar")  # speedup_vs_fastest_ar is against the fastest of these
+PLAIN_DECODING = ("ar", "ar_static", "hf_generate", "vllm_ar", "vllm_ar_bf16")  # speedup_vs_fastest_ar is against the fastest of these
 BUSY = 0.1  # other processes' CPU seconds per wall second above which a table is marked busy
 
 
@@ -128,8 +135,13 @@ class BenchConfig:
     # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.
     drafter_dtypes: list[str] = field(default_factory=lambda: ["float32"])
     repetitions: int = 3
-    # The python of a venv with vLLM: adds the vllm_* rows (the engine in a subprocess; never imported here).
+    # The python of a venv with vLLM: adds the vllm_* rows (the engine in a subprocess; never imported here),
+    # once per dtype in vllm_dtypes (float32 as our target; bfloat16 rows end in _bf16).
     vllm_python: str | None = None
+    vllm_dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    # How our loop runs the target at batch 1: "hf" (TargetAdapter: the model's forward) and/or "static"
+    # (StaticTarget: its layers over a preallocated cache, torch.compile'd; rows end in _static).
+    target_steps: list[str] = field(default_factory=lambda: ["hf"])
     seed: int = 0
     out: str = "docs/results/bench"
     quick: bool = False
@@ -139,6 +151,12 @@ class BenchConfig:
         bad = sorted(set(self.methods) - set(ALL_METHODS) - set(VLLM_METHODS))
         if bad:
             raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS + VLLM_METHODS)}")
+        bad = sorted(set(self.target_steps) - set(TARGET_STEPS))
+        if bad or not self.target_steps:
+            raise ValueError(f"target_steps must be among {list(TARGET_STEPS)}, got {self.target_steps}")
+        bad = sorted(set(self.vllm_dtypes) - {"float32", "bfloat16"})
+        if bad or not self.vllm_dtypes:
+            raise ValueError(f"vllm_dtypes must be among ['float32', 'bfloat16'], got {self.vllm_dtypes}")
         if self.vllm_python is not None:
             if not Path(self.vllm_python).is_file():
                 raise ValueError(f"vllm_python {self.vllm_python!r} is not a file (the python of a venv with vLLM)")
@@ -301,12 +319,23 @@ class Run:
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
                  stops: list[int]) -> dict[str, Callable[[torch.Tensor, dict, int], Run]]:
-    def ours(drafter, **verify):
+    statics: dict[tuple[int, ...], Any] = {}  # one compiled StaticTarget per set of target layers read
+
+    def static(layer_ids: tuple[int, ...]):
+        from .static_target import StaticTarget
+
+        if layer_ids not in statics:
+            statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
+        return statics[layer_ids]
+
+    def ours(drafter, step="hf", **verify):
         def run(ids, setting, seed):
             g = torch.Generator().manual_seed(seed)
-            out = (ar_generate(target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
+            layers = () if drafter is None else tuple(drafter.target_layer_ids)
+            tgt = target if step == "hf" else static(layers)
+            out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
-                   spec_generate(drafter, target, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
+                   spec_generate(drafter, tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
                                  generator=g, **setting, **verify))
             other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
@@ -324,17 +353,25 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             return Run(out.shape[1] - ids.shape[1], time.perf_counter() - t0)
         return run
 
-    methods: dict[str, Callable] = {"ar": ours(None), "hf_generate": hf(),
-                                    "hf_prompt_lookup": hf(prompt_lookup_num_tokens=block - 1)}
+    methods: dict[str, Callable] = {}
+    if "hf" in cfg.target_steps:
+        methods["ar"] = ours(None)
+    if "static" in cfg.target_steps:
+        methods["ar" + STATIC] = ours(None, "static")
+    methods |= {"hf_generate": hf(), "hf_prompt_lookup": hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods["hf_assisted"] = hf(assistant_model=ar_draft)
     for name, drafter, verify in _drafter_variants(cfg, drafters, block):
-        methods[name] = ours(drafter, **verify)
+        if "hf" in cfg.target_steps:
+            methods[name] = ours(drafter, **verify)
+        if "static" in cfg.target_steps:
+            methods[name + STATIC] = ours(drafter, "static", **verify)
     return _selected(cfg, methods)
 
 
 def drafter_dtype(method: str) -> str:
     """The drafter dtype a method name says (its suffix; no suffix: float32)."""
+    method = method.removesuffix(STATIC)
     return next((dtype for dtype, suffix in DTYPE_SUFFIX.items() if suffix and method.endswith(suffix)), "float32")
 
 
@@ -379,6 +416,7 @@ def _token_counts(cfg: BenchConfig) -> torch.Tensor:
 def _selected(cfg: BenchConfig, methods: dict[str, Callable]) -> dict[str, Callable]:
     """The methods cfg.methods names; dflash2_tree<M>, dflash2_walk_L<n> and _V<n> come with their family."""
     def wanted(name: str) -> bool:
+        name = name.removesuffix(STATIC)
         name = name.removesuffix(DTYPE_SUFFIX[drafter_dtype(name)]).removesuffix(COMPILED)
         return (name in cfg.methods or (name.startswith("dflash2_tree") and "dflash2_tree" in cfg.methods)
                 or (name.startswith(("dflash2_walk_L", "dflash2_walk_V")) and "dflash2_walk" in cfg.methods))
@@ -468,9 +506,10 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
     (per prompt at concurrency 1, the whole set otherwise) and yields (method, VLLMResult)."""
     from .vllm_engine import run_vllm
 
-    for method in (m for m in VLLM_METHODS if m in cfg.methods):
+    for method, dtype in ((m, d) for d in cfg.vllm_dtypes for m in VLLM_METHODS if m in cfg.methods):
         kind, export = method.removeprefix("vllm_"), None
-        if method != "vllm_ar":
+        method += DTYPE_SUFFIX[dtype]
+        if kind != "ar":
             if kind not in drafters:
                 continue
             export = Path(cfg.out) / "vllm_drafters" / f"{kind}_B{block}"
@@ -479,7 +518,7 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
                           max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
                           tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
                           repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
-                          threads=torch.get_num_threads(), **setting)
+                          threads=torch.get_num_threads(), dtype=dtype, **setting)
         runs[method] = [] if result.error else [
             (rep, p, Run(len(out), wall)) for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))
             for p, (wall, out) in enumerate(zip(walls, outs))] if conc == 1 else [
@@ -527,7 +566,7 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
             row.update(engine="vllm " + str(result.vllm_version), error=result.error)
             if result.error:
                 row.update(tokens_per_s=None, speedup=None, tokens_per_s_ratio=None, speedup_vs_fastest_ar=None)
-            row["tau"] = 1.0 if name == "vllm_ar" and not result.error else result.tau
+            row["tau"] = 1.0 if name.startswith("vllm_ar") and not result.error else result.tau
             if result.acceptance_by_position:
                 row["acceptance_by_position"] = result.acceptance_by_position
             rows.append(row)
@@ -536,7 +575,7 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
             row.update(best_hf_baseline=hf, speedup_vs_best_hf=_median_ratio(items, best),
                        tokens_per_s_vs_best_hf=row["tokens_per_s"] / _tokens_per_s(runs[hf]))
         lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
-        row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "hf_generate") else None)
+        row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "ar" + STATIC, "hf_generate") else None)
         if lengths:
             row["acceptance_by_position"] = [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block)]
         parts = [r.breakdown for _, _, r in items if r.breakdown]
@@ -553,9 +592,12 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
             if vocab:
                 r["draft_vocab"] = int(vocab.group(1))
             r["compiled"] = COMPILED in r["method"]
-            top1 = next((x["tau"] for x in rows if x["method"] == "dflash2_argmax" + suffix), None)
-            if top1 is not None and r["method"] in ("dflash2_walk" + suffix, "dflash2_viterbi" + suffix):
+            static = STATIC if r["method"].endswith(STATIC) else ""
+            top1 = next((x["tau"] for x in rows if x["method"] == "dflash2_argmax" + suffix + static), None)
+            if top1 is not None and r["method"] in ("dflash2_walk" + suffix + static, "dflash2_viterbi" + suffix + static):
                 r["tau_gap_vs_top1"] = r["tau"] - top1
+        if r["method"].startswith(("ar", "dflash")):
+            r["target_step"] = "static" if r["method"].endswith(STATIC) else "hf"
     return rows
 
 

@@ -147,3 +147,24 @@ def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
         assert ("no native bfloat16" in bench.cpu_description()) == (not native)
     with pytest.raises(ValueError, match="distinct"):
         bench.BenchConfig(drafter_dtypes=["float32", "auto"])  # auto is float32 here: the same dtype twice
+
+
+def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
+    """target_steps=[hf, static] adds _static rows (eager here: the compiled step is tested in
+    tests/test_static_target.py); greedy, they commit the same tokens, so τ and counts agree."""
+    import dflash2.static_target as static_target
+
+    original = static_target.StaticTarget.__init__
+    monkeypatch.setattr(static_target.StaticTarget, "__init__",
+                        lambda self, *a, compile=False, **k: original(self, *a, compile=False, **k))
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}", "target_steps=[hf,static]", "datasets=[humaneval]", "concurrency=[1]",
+                 "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert set(rows) == {"ar", "ar_static", "dflash2_walk", "dflash2_walk_static", "dflash2_tree7",
+                         "dflash2_tree7_static"}
+    for name in ("ar", "dflash2_walk", "dflash2_tree7"):
+        assert rows[name]["target_step"] == "hf" and rows[name + "_static"]["target_step"] == "static"
+        assert rows[name]["tau"] == rows[name + "_static"]["tau"]
+        assert rows[name]["new_tokens"] == rows[name + "_static"]["new_tokens"]
+    assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "hf_generate")

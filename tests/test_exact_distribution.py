@@ -38,10 +38,12 @@ def dflash(selector: str, top_k: int = 2) -> DFlash2Drafter:
     return d
 
 
-def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None):
-    """Exact output distribution and branch count; `lengths` collects every round's acceptance length."""
+def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None):
+    """Exact output distribution and branch count; `lengths` collects every round's acceptance length.
+    tgt: the target as spec_generate gets it (default: the HF model; tests/test_static_target.py
+    passes a StaticTarget)."""
     def program(rng):
-        out = spec_generate(drafter, target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,
+        out = spec_generate(drafter, tgt or target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                             stop_token_ids=list(stops), rng=rng)
         if lengths is not None:

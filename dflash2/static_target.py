@@ -1,0 +1,250 @@
+"""A faster target step for batch-1 decoding: the model's own layers over a preallocated KV cache.
+
+`TargetAdapter.forward` calls the Hugging Face model's `forward`, which per pass builds a cache
+update chain, a causal mask through transformers' mask factory, output dataclasses and the
+hidden-state collection; on a small target that bookkeeping, not the model's arithmetic, is most of
+a decoding step. `StaticTarget` keeps the same interface (it is a TargetAdapter) and runs the
+same decoder layers, the same embedding, rotary embedding, final norm and LM head modules of the
+model, but calls them directly:
+
+    x = embed_tokens(ids); cos, sin = rotary_emb(x, positions)
+    for layer in layers:  x = layer(x, attention_mask, position_embeddings=(cos, sin), cache=<buffers>)
+    logits = lm_head(norm(x))
+
+with a cache whose keys and values live in buffers allocated once per sequence (slot = position,
+so a rollback only moves the length back), and a mask built from positions. The step can be put
+through `torch.compile` (`compile=True`: dynamic shapes, so the growing cache length compiles once
+per pass width), as gpt-fast compiles its decoder; the eager path is the same function.
+
+Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
+(`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
+Anything else raises NotImplementedError: use TargetAdapter, which runs every HF causal LM.
+Batch 1 only (`spec_generate`, `ar_generate`, trees); the batched loop uses TargetAdapter.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from .target import TargetAdapter, TargetStep
+from .tree import TokenTree
+
+SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
+
+
+@dataclass
+class StaticCache:
+    """Per layer keys/values [1, kv_heads, capacity, hd] (slot = position) and the cached length."""
+
+    keys: list[Tensor] = field(default_factory=list)
+    values: list[Tensor] = field(default_factory=list)
+    length: int = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.length
+
+
+class _Writer:
+    """What a decoder layer sees as its cache during one pass: `update` writes the pass's K/V into
+    the buffers from slot `start` on and returns every slot up to the pass's end."""
+
+    def __init__(self, keys: list[Tensor], values: list[Tensor], start: int) -> None:
+        self.keys, self.values, self.start = keys, values, start
+
+    def update(self, key_states: Tensor, value_states: Tensor, layer_idx: int, *args, **kwargs):
+        end = self.start + key_states.shape[-2]
+        self.keys[layer_idx][:, :, self.start:end] = key_states
+        self.values[layer_idx][:, :, self.start:end] = value_states
+        return self.keys[layer_idx][:, :, :end], self.values[layer_idx][:, :, :end]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.start
+
+
+class StaticTarget(TargetAdapter):
+    """A TargetAdapter whose batch-1 passes run the model's layers directly over a StaticCache.
+
+    capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
+    compile: put the step through torch.compile(dynamic=True) on first use.
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), *, capacity: int | None = None,
+                 compile: bool = False) -> None:
+        super().__init__(model, layer_ids)
+        kind = getattr(self.config, "model_type", None)
+        if kind not in SUPPORTED or self.hybrid:
+            raise NotImplementedError(f"StaticTarget runs {', '.join(SUPPORTED)} targets; this is {kind!r}. "
+                                      "Use TargetAdapter (any HF causal LM)")
+        impl = getattr(model.config, "_attn_implementation", None) or "eager"
+        if impl not in ("eager", "sdpa"):
+            raise NotImplementedError(f"StaticTarget builds its own attention mask: it needs attn_implementation "
+                                      f"'eager' or 'sdpa', the target uses {impl!r}")
+        self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.head = model.get_output_embeddings()
+        self.capacity = int(capacity or self.max_positions or 4096)
+        self.kinds = self._attention_kinds()  # layer kind → sliding window (None: full)
+        self.layer_kinds = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
+        layer_params = inspect.signature(self.decoder.layers[0].forward).parameters
+        self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
+        if compile:
+            _allow_recompiles(64)
+        self._run = torch.compile(self._step, dynamic=True) if compile else self._step
+
+    # -- the cache --------------------------------------------------------------------------------
+    def new_cache(self) -> StaticCache:
+        return StaticCache()
+
+    def _reserve(self, cache: StaticCache, slots: int) -> None:
+        """Buffers for `slots` slots (allocated on the first pass, from the model's K/V shape)."""
+        if cache.keys and cache.keys[0].shape[2] >= slots:
+            return
+        if slots > self.capacity:
+            raise ValueError(f"the sequence needs {slots} cache slots; this StaticTarget holds {self.capacity}")
+        attn = self.decoder.layers[0].self_attn
+        kv_heads = getattr(attn, "num_key_value_heads", None) or self.config.num_key_value_heads
+        head_dim = attn.head_dim
+        weight = self.model.get_input_embeddings().weight
+        new = lambda: weight.new_zeros(1, kv_heads, self.capacity, head_dim)  # noqa: E731
+        old_k, old_v = cache.keys, cache.values
+        cache.keys, cache.values = [new() for _ in range(self.num_layers)], [new() for _ in range(self.num_layers)]
+        for buffers, old in ((cache.keys, old_k), (cache.values, old_v)):
+            for b, o in zip(buffers, old):
+                b[:, :, : cache.length] = o[:, :, : cache.length]
+
+    def crop(self, cache, length: int) -> None:
+        if not isinstance(cache, StaticCache):
+            return super().crop(cache, length)
+        if length > cache.length:
+            raise ValueError(f"cannot crop a cache of {cache.length} positions to {length}")
+        cache.length = length
+
+    # -- passes -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, input_ids: Tensor, cache: StaticCache, keep_logits: int | None = None) -> TargetStep:
+        """ids [1, T] after the cached positions: each sees the cache and the pass's earlier tokens."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("StaticTarget runs batch 1; use TargetAdapter for batches")
+        start, T = cache.length, input_ids.shape[1]
+        self._reserve(cache, start + T)
+        positions = torch.arange(start, start + T, device=self.device)[None]
+        logits, features = self._pass(input_ids.to(self.device), positions, cache, None, keep_logits)
+        return TargetStep(logits, features, input_ids, start, None)
+
+    @torch.no_grad()
+    def forward_tree(self, anchor: int, tree: TokenTree, cache: StaticCache) -> TargetStep:
+        """[anchor, tree nodes] in one pass: node i at position start + depth(i) sees the cache, the
+        anchor and its ancestors (slots start.. hold the pass in node order)."""
+        start, M = cache.length, tree.tokens.shape[0]
+        self._reserve(cache, start + M + 1)
+        ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()])[None].to(self.device)  # [1, M+1]
+        depth, visible = tree.block()  # [M+1], [M+1, M+1]
+        positions = (start + depth)[None].to(self.device)
+        allowed = torch.cat([torch.ones(M + 1, start, dtype=torch.bool), visible.cpu()], dim=1).to(self.device)
+        logits, features = self._pass(ids, positions, cache, allowed, None)
+        return TargetStep(logits, features, ids, start, None)
+
+    def _pass(self, ids: Tensor, positions: Tensor, cache: StaticCache, allowed: Tensor | None,
+              keep_logits: int | None) -> tuple[Tensor, Tensor | None]:
+        start, T = cache.length, ids.shape[1]
+        key_positions = torch.arange(start + T, device=self.device)
+        if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
+            key_positions = torch.cat([key_positions[:start], positions[0]])
+        masks = self._masks(positions[0], key_positions, allowed, T)
+        with _quiet_output_hooks():
+            logits, features = self._run(ids, positions, masks, cache.keys, cache.values, start, keep_logits or T)
+        cache.length = start + T
+        return logits, features
+
+    def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None, T: int) -> dict[str, Tensor | None]:
+        """Additive masks [1, 1, T, S] per layer kind (None where a single query sees every key)."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        out = {}
+        for kind, window in self.kinds.items():
+            ok = k_pos[None, :] <= q_pos[:, None] if allowed is None else allowed
+            if window is not None:
+                ok = ok & (q_pos[:, None] - k_pos[None, :] < window)
+            if T == 1 and allowed is None and (window is None or k_pos.shape[0] <= window):
+                out[kind] = None
+            else:
+                out[kind] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(
+                    ~ok, torch.finfo(dtype).min)[None, None]
+        return out
+
+    def _step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
+              values: list[Tensor], start: int, keep: int) -> tuple[Tensor, Tensor | None]:
+        """The model's layers over the pass (K/V written from slot `start`): → logits [1, keep, V],
+        features [1, T, F] or None."""
+        cache = _Writer(keys, values, start)
+        x = self.decoder.embed_tokens(ids)
+        rope = self.decoder.rotary_emb(x, positions)
+        kept: dict[int, Tensor] = {}
+        wanted = set(self.layer_ids)
+        for i, layer in enumerate(self.decoder.layers):
+            x = layer(x, attention_mask=masks[self.layer_kinds[i]], position_embeddings=rope, position_ids=positions,
+                      use_cache=True, **{self._layer_cache_kw: cache})
+            x = x[0] if isinstance(x, tuple) else x
+            if i in wanted:
+                kept[i] = x
+        normed = self.decoder.norm(x)
+        if self.num_layers - 1 in wanted:  # HF's last hidden state is the normed one
+            kept[self.num_layers - 1] = normed
+        features = torch.cat([kept[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        return self.head(normed[:, -keep:]), features
+
+    # -- what the batched loop needs is not here ----------------------------------------------------
+    def forward_masked(self, *args, **kwargs):
+        raise NotImplementedError("StaticTarget runs batch 1 (spec_generate, ar_generate); batches use TargetAdapter")
+
+    def keep_block(self, cache, start: int, slots: Tensor) -> None:
+        """Row 0 keeps the pass's slots `slots` [1, n] (ascending), moved down after the cached prefix."""
+        if not isinstance(cache, StaticCache):
+            return super().keep_block(cache, start, slots)
+        n = slots.shape[1]
+        index = (start + slots[0]).to(self.device)
+        if not torch.equal(slots[0].cpu(), torch.arange(n)):
+            for buffers in (cache.keys, cache.values):
+                for b in buffers:
+                    b[:, :, start: start + n] = b.index_select(2, index)
+        cache.length = start + n
+
+
+class _quiet_output_hooks:
+    """transformers records hidden states and attentions with forward hooks on the layers, which look
+    up the active collector in a ContextVar: torch.compile cannot trace that and breaks the graph at
+    every layer. Nothing is collected here (the step keeps what it needs itself), so for the step's
+    duration the collector reads as a plain None, as transformers arranges when it compiles a model's
+    own forward; afterwards it is as it was."""
+
+    def __enter__(self):
+        try:
+            from transformers.utils import output_capturing
+        except ImportError:
+            self.var = None
+            return self
+        self.var = getattr(output_capturing, "_active_collector", None)
+        if self.var is not None and not hasattr(self.var, "compiling"):
+            self.var = None
+        if self.var is not None:
+            self.saved = (self.var.compiling, self.var.global_var)
+            self.var.compiling, self.var.global_var = True, None
+        return self
+
+    def __exit__(self, *exc):
+        if self.var is not None:
+            self.var.compiling, self.var.global_var = self.saved
+
+
+def _allow_recompiles(n: int) -> None:
+    """torch.compile keeps compiled graphs per code object, and every StaticTarget shares `_step`'s:
+    each instance (one per set of target layers read) adds a few graphs (prefill, one-token step,
+    masked verify), more than dynamo's default limit of 8 for a handful of instances."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), n))
+
+
+__all__ = ["StaticTarget", "StaticCache", "SUPPORTED"]
