@@ -144,17 +144,19 @@ def main() -> int:
     bench = RESULTS / "bench_headline" / "results.md"
     if bench.is_file():
         lines += ["## Speed: the headline row (batch 1, greedy, B = 16, HumanEval)", "",
-                  "Written by `python -m dflash2.bench --config configs/bench/headline.yaml` "
-                  "(docs/results/bench_headline/: JSON with per-round time breakdown, plot). Methods run interleaved; "
-                  "speedup is the median of per-prompt ratios to AR measured back to back. `dflash2_tree15` has the "
-                  "target check a 15-node token tree from the DFlash-2 lattice in one pass of 16 tokens (as many as "
-                  "a path over the whole block). Rows ending in `_bf16` run the same drafters in bfloat16 while the "
-                  "target stays float32, so the output is the same; bfloat16 drafters pay off only on a CPU with "
-                  "native bfloat16 matmuls (the command line below names the CPU). Rows with `_V2048` draft among "
-                  "the 2048 most frequent tokens of the target's training corpus (92.7% of its tokens; "
-                  "`DFlash2Drafter.with_draft_vocab`): the drafter's LM head reads 2048 of its 4096 rows. Rows "
-                  "with `_compiled` run the drafter's backbone through `torch.compile` (dynamic shapes; compiled "
-                  "in the bench's untimed warm-up run); the target runs eager in every row, AR included.", "",
+                  "Written by `python -m dflash2.bench --config configs/bench/headline.yaml vllm_python=VENV/bin/python` "
+                  "(docs/results/bench_headline/: JSON with per-round time breakdown and the load record, plot). Our "
+                  "methods run interleaved; speedup is the median of per-prompt ratios to our AR measured back to back, "
+                  "ratio the ratio of total tokens/s, and vs fastest plain the ratio of total tokens/s to the fastest "
+                  "plain decoding in the table. `dflash2_tree15` has the target check a 15-node token tree from the "
+                  "DFlash-2 lattice in one pass of 16 tokens (as many as a path over the whole block). Rows ending in "
+                  "`_bf16` run the same drafters in bfloat16 while the target stays float32, so the output is the same "
+                  "(chosen where the CPU multiplies bfloat16 natively). Rows with `_compiled` run the drafter's "
+                  "backbone through `torch.compile`; rows ending in `_static` run the target's step through "
+                  "`StaticTarget` (its own layers over a preallocated cache, compiled), the others through the "
+                  "model's forward. The `vllm_*` rows are vLLM's CPU build on the same prompts and target, each "
+                  "request alone (batch 1), in float32 like ours and in bfloat16 (`_bf16`, vLLM's default for this "
+                  "checkpoint); `vllm_dflash1` serves our DFlash-1 drafter exported in the reference format.", "",
                   bench.read_text(), ""]
         lines += _runs_section(RESULTS / "bench_headline" / "runs")
         bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
@@ -187,10 +189,33 @@ def main() -> int:
                             "config `draft_len`), so each row's verify pass holds n + 1 tokens instead of 16. "
                             "`dflash2_tree<M>` verifies an M-node token tree per row in the same batched pass (each "
                             "row's nodes at their own depths, each seeing its ancestors). " + _dtype_note("bench_concurrency"))
-    lines += _ablation_section() + _profile_section() + _serve_section()
+    lines += _ablation_section() + _profile_section() + _roofline_section() + _serve_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
     return 0
+
+
+def _roofline_section() -> list[str]:
+    """experiments/roofline.py: each target pass against its floor (weight bytes / bandwidth, FLOPs / matmul)."""
+    path = RESULTS / "roofline.json"
+    if not path.is_file():
+        return []
+    r = json.loads(path.read_text())
+    best = max(v["gflops"] for v in r["matmul"].values())
+    lines = ["## Roofline: a target pass against the machine's limits", "",
+             f"`{r['meta']['command']}` ({r['meta']['date']}, {r['meta']['cpu']}, {r['meta']['context']} cached positions). "
+             f"The embedded target's linear layers hold {r['weight_mb']:.1f} MB of float32 weights "
+             f"({r['macs_per_token'] / 1e6:.2f} M multiply-adds per token); this machine reads memory at "
+             f"{r['bandwidth_gb_s']:.0f} GB/s and its best matmul throughput over the target's own layers is "
+             f"{best:.0f} GFLOP/s. A pass cannot take less than the larger of the two floors: reading every "
+             "weight once, and its FLOPs at that throughput.", "",
+             "| the target's linear layers, back to back | tokens per pass | ms | GFLOP/s |", "|---|---|---|---|",
+             *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} |"
+               for n, v in r["matmul"].items()], "",
+             "| pass | rows × tokens | ms | floor, ms | ms per token |", "|---|---|---|---|---|",
+             *[f"| {p['path']} | {p['rows']} × {p['tokens']} | {1e3 * p['seconds']:.2f} | {1e3 * p['floor']:.2f} | "
+               f"{1e3 * p['seconds'] / (p['rows'] * p['tokens']):.3f} |" for p in r["passes"]], ""]
+    return lines
 
 
 def _serve_section() -> list[str]:
@@ -241,8 +266,9 @@ def _runs_section(folder: Path) -> list[str]:
     if len(runs) < 2:
         return []
     methods = [r["method"] for r in runs[-1][1]["rows"] if r["method"] != "ar"]
-    cell = lambda r: ("—" if r is None else f"{r['speedup']:.2f}×" + (  # noqa: E731
-        f" / {r['speedup_vs_best_hf']:.2f}×" if r.get("speedup_vs_best_hf") is not None else ""))
+    cell = lambda r: ("—" if r is None or r.get("speedup") is None else f"{r['speedup']:.2f}×" + (  # noqa: E731
+        f" / {r['speedup_vs_best_hf']:.2f}×" if r.get("speedup_vs_best_hf") is not None else "")
+        + (" **(busy)**" if r.get("busy") else ""))
     lines = ["Every run of this config kept in `" + str(folder.relative_to(ROOT)) + "/`, named by date, finishing "
              "time (UTC) and commit (speedup vs AR / vs the faster HF speculative method, medians of pairwise "
              "ratios; each JSON names its machine and CPU):", "",
