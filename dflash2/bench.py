@@ -504,16 +504,20 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
                conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
     """The vllm_* methods of one table, through dflash2.vllm_engine in cfg.vllm_python: fills `runs`
     (per prompt at concurrency 1, the whole set otherwise) and yields (method, VLLMResult)."""
+    import tempfile
+
     from .vllm_engine import run_vllm
 
+    exports = tempfile.TemporaryDirectory(prefix="dflash2-bench-drafters-")
     for method, dtype in ((m, d) for d in cfg.vllm_dtypes for m in VLLM_METHODS if m in cfg.methods):
         kind, export = method.removeprefix("vllm_"), None
         method += DTYPE_SUFFIX[dtype]
         if kind != "ar":
             if kind not in drafters:
                 continue
-            export = Path(cfg.out) / "vllm_drafters" / f"{kind}_B{block}"
-            drafters[kind].with_config(block_size=block).save_pretrained(export, format="reference")
+            export = Path(exports.name) / f"{kind}_B{block}"  # the reference format, as the engine loads it
+            if not export.exists():
+                drafters[kind].with_config(block_size=block).save_pretrained(export, format="reference")
         result = run_vllm(cfg.vllm_python, _resolve(cfg.target), [p[0].tolist() for p in prompts],
                           max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
                           tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
@@ -525,6 +529,7 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
             (rep, 0, Run(sum(map(len, outs)), walls[0]))
             for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))]
         yield method, result
+    exports.cleanup()
 
 
 def _median_ratio(items, base: dict) -> float | None:

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from .target import TargetAdapter, TargetStep
+from .target_attention import masked_gqa
 from .tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -92,6 +93,7 @@ class StaticTarget(TargetAdapter):
         self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
         if compile:
             _allow_recompiles(64)
+        self._compiled, self._warm = compile, False
         self._run = torch.compile(self._step, dynamic=True) if compile else self._step
 
     # -- the cache --------------------------------------------------------------------------------
@@ -150,34 +152,49 @@ class StaticTarget(TargetAdapter):
     def _pass(self, ids: Tensor, positions: Tensor, cache: StaticCache, allowed: Tensor | None,
               keep_logits: int | None) -> tuple[Tensor, Tensor | None]:
         start, T = cache.length, ids.shape[1]
+        if self._compiled and not self._warm:
+            self._warm_up()
         key_positions = torch.arange(start + T, device=self.device)
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
-        masks = self._masks(positions[0], key_positions, allowed, T)
-        with _quiet_output_hooks():
-            logits, features = self._run(ids, positions, masks, cache.keys, cache.values, start, keep_logits or T)
+        masks = self._masks(positions[0], key_positions, allowed)
+        step = self._run if start > 0 else self._step  # a prefill runs once per sequence: eager
+        with _quiet_output_hooks(), masked_gqa(self.config):  # grouped heads without copying K/V per head
+            normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         cache.length = start + T
-        return logits, features
+        return self.head(normed[:, -(keep_logits or T):]), features
 
-    def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None, T: int) -> dict[str, Tensor | None]:
-        """Additive masks [1, 1, T, S] per layer kind (None where a single query sees every key)."""
+    def _warm_up(self) -> None:
+        """Compile the step's two graphs (one token; two or more) on a scratch cache before the first
+        real pass, so no compilation lands inside a timed decode."""
+        self._warm = True
+        scratch = StaticCache()
+        self._reserve(scratch, 8)
+        for n in (2, 2, 1):
+            self._pass(torch.zeros(1, n, dtype=torch.long, device=self.device),
+                       torch.arange(scratch.length, scratch.length + n, device=self.device)[None], scratch, None, None)
+
+    def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None) -> dict[str, Tensor | None]:
+        """Additive masks [1, 1, T, S] per layer kind: causal by position (or the tree's `allowed`),
+        and each sliding kind's window by position; None where one query sees every key (a plain
+        decoding step), which lets attention read the grouped K/V heads as they are."""
         dtype = self.model.get_input_embeddings().weight.dtype
         out = {}
         for kind, window in self.kinds.items():
+            if q_pos.shape[0] == 1 and allowed is None and (window is None or k_pos.shape[0] <= window):
+                out[kind] = None
+                continue
             ok = k_pos[None, :] <= q_pos[:, None] if allowed is None else allowed
             if window is not None:
                 ok = ok & (q_pos[:, None] - k_pos[None, :] < window)
-            if T == 1 and allowed is None and (window is None or k_pos.shape[0] <= window):
-                out[kind] = None
-            else:
-                out[kind] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(
-                    ~ok, torch.finfo(dtype).min)[None, None]
+            out[kind] = torch.zeros(ok.shape, dtype=dtype, device=ok.device).masked_fill(
+                ~ok, torch.finfo(dtype).min)[None, None]
         return out
 
     def _step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
-              values: list[Tensor], start: int, keep: int) -> tuple[Tensor, Tensor | None]:
-        """The model's layers over the pass (K/V written from slot `start`): → logits [1, keep, V],
-        features [1, T, F] or None."""
+              values: list[Tensor], start: int) -> tuple[Tensor, Tensor | None]:
+        """The model's layers over the pass (K/V written from slot `start`): → final-normed hidden
+        states [1, T, H] (the LM head runs outside, on the rows wanted) and features [1, T, F] or None."""
         cache = _Writer(keys, values, start)
         x = self.decoder.embed_tokens(ids)
         rope = self.decoder.rotary_emb(x, positions)
@@ -193,7 +210,7 @@ class StaticTarget(TargetAdapter):
         if self.num_layers - 1 in wanted:  # HF's last hidden state is the normed one
             kept[self.num_layers - 1] = normed
         features = torch.cat([kept[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
-        return self.head(normed[:, -keep:]), features
+        return normed, features
 
     # -- what the batched loop needs is not here ----------------------------------------------------
     def forward_masked(self, *args, **kwargs):

@@ -71,8 +71,9 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
     python = Path(python)
     if not python.is_file():
         raise FileNotFoundError(f"no Python interpreter at {python} (the vllm_python of a venv with vLLM)")
-    job = dict(target=str(target), tokenizer=str(tokenizer) if tokenizer else None, prompts=prompts,
-               max_new_tokens=max_new_tokens, drafter=str(drafter) if drafter else None,
+    local = lambda p: str(Path(p).resolve()) if Path(p).exists() else str(p)  # noqa: E731  (hub ids stay as they are)
+    job = dict(target=local(target), tokenizer=local(tokenizer) if tokenizer else None, prompts=prompts,
+               max_new_tokens=max_new_tokens, drafter=local(drafter) if drafter else None,
                num_speculative_tokens=num_speculative_tokens, temperature=temperature, dtype=dtype,
                enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=llm_kwargs or {}, top_k=top_k,
                top_p=top_p, stop_token_ids=stop_token_ids or [], repetitions=repetitions, per_prompt=per_prompt)
