@@ -141,6 +141,8 @@ class StaticTarget(TargetAdapter):
         """[anchor, tree nodes] in one pass: node i at position start + depth(i) sees the cache, the
         anchor and its ancestors (slots start.. hold the pass in node order)."""
         start, M = cache.length, tree.tokens.shape[0]
+        if M == 0:  # the anchor alone: a plain one-token step
+            return self.forward(torch.tensor([[anchor]]), cache)
         self._reserve(cache, start + M + 1)
         ids = torch.cat([torch.tensor([anchor]), tree.tokens.cpu()])[None].to(self.device)  # [1, M+1]
         depth, visible = tree.block()  # [M+1], [M+1, M+1]
