@@ -190,6 +190,7 @@ class BlockDiffusionBackbone(nn.Module):
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.layouts = config.attention_layout  # (causal, window) per layer
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_parameters, config.max_position_embeddings,
                                       H, config.num_attention_heads)
 
@@ -228,8 +229,9 @@ class BlockDiffusionBackbone(nn.Module):
             if cache.keys:
                 ks = [torch.cat([old, k], dim=2) for old, k in zip(cache.keys, ks)]
                 vs = [torch.cat([old, v], dim=2) for old, v in zip(cache.values, vs)]
-            if window is not None and ks[0].shape[2] > window:
-                ks, vs = [k[:, :, ks[0].shape[2] - window:] for k in ks], [v[:, :, vs[0].shape[2] - window:] for v in vs]
+            if window is not None and ks[0].shape[2] > window:  # (window may be 0: a window of 1 keeps no context)
+                drop = ks[0].shape[2] - window
+                ks, vs = [k[:, :, drop:] for k in ks], [v[:, :, drop:] for v in vs]
             cache.keys, cache.values = ks, vs
             cache.length += sizes[r]
         return caches
@@ -290,12 +292,12 @@ class BlockDiffusionBackbone(nn.Module):
         if rows is not None and not 0 < rows <= x.shape[1] == self.config.block_size:
             raise ValueError(f"rows must be in 1..{self.config.block_size} for a single block, got {rows}")
         masks: dict[tuple[bool, int | None], Tensor | None] = {}  # one mask per distinct layout
-        for layout in self.config.attention_layout:
+        for layout in self.layouts:
             if layout not in masks:
                 if layout != (False, None) and key_positions is None:
                     raise ValueError("causal or sliding layers need key_positions")
                 masks[layout] = _and(mask, layout_mask(positions, key_positions, *layout))
         last = len(self.layers) - 1
-        for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context, self.config.attention_layout)):
+        for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context, self.layouts)):
             x = layer(x, rope, k, v, masks[layout], rows if i == last else None, slots)
         return self.norm(x)

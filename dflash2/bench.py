@@ -93,6 +93,7 @@ from .batch import ar_generate_batch, spec_generate_batch
 from .loop import ar_generate, spec_generate
 from .overrides import load_yaml_with_overrides
 from .prompt_sets import load_prompts
+from .vllm_engine import refusal_reason
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
@@ -523,11 +524,12 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
                           tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
                           repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
                           threads=torch.get_num_threads(), dtype=dtype, **setting)
-        runs[method] = [] if result.error else [
-            (rep, p, Run(len(out), wall)) for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))
-            for p, (wall, out) in enumerate(zip(walls, outs))] if conc == 1 else [
-            (rep, 0, Run(sum(map(len, outs)), walls[0]))
-            for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs))]
+        runs[method] = []
+        for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs)):
+            if conc == 1:  # each request timed alone
+                runs[method] += [(rep, p, Run(len(out), wall)) for p, (wall, out) in enumerate(zip(walls, outs))]
+            else:  # the whole set in one call
+                runs[method].append((rep, 0, Run(sum(map(len, outs)), walls[0])))
         yield method, result
     exports.cleanup()
 
@@ -636,19 +638,12 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
               if r.get("speedup_vs_best_hf") is not None else "—")
         fastest = (f"{r['speedup_vs_fastest_ar']:.2f}× ({r['fastest_ar']})"
                    if r.get("speedup_vs_fastest_ar") is not None else "—")
-        tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {_short(r['error'])}"
+        tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {refusal_reason(r['error'])}"
         lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | "
                      f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])} | {fmt(r.get('tokens_per_s_ratio'))} "
                      f"| {fastest} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
-
-
-def _short(error: str) -> str:
-    """The line of an engine's error that says why (pydantic wraps vLLM's reason in several lines)."""
-    lines = [x.strip() for x in error.splitlines() if x.strip()]
-    reason = next((x for x in lines if x.startswith("Value error")), lines[0] if lines else error)
-    return reason.split(" [type=")[0].replace("|", "/")[:160]
 
 
 def _commit() -> str | None:

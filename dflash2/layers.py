@@ -61,11 +61,13 @@ class RotaryEmbedding:
         self._fixed: dict[torch.device, tuple[Tensor, float]] = {}
 
     def inverse_frequencies(self, device: torch.device, seq_len: int | None = None) -> tuple[Tensor, float]:
-        """→ inv_freq [rotary_dim / 2] (float64) and the cos/sin scaling factor."""
+        """→ inv_freq [rotary_dim / 2] (float64) and the cos/sin scaling factor; computed once per
+        device unless the type depends on the sequence length."""
+        if not self.by_length and device in self._fixed:
+            return self._fixed[device]
         if self.type == "default":
             exponents = torch.arange(0, self.rotary_dim, 2, device=device, dtype=torch.float64) / self.rotary_dim
-            return 1.0 / self.params["rope_theta"] ** exponents, 1.0
-        if not self.by_length and device in self._fixed:
+            self._fixed[device] = (1.0 / self.params["rope_theta"] ** exponents, 1.0)
             return self._fixed[device]
         from transformers import Qwen3Config
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -90,12 +92,6 @@ class RotaryEmbedding:
         if positions.dim() == 2:
             emb = emb[:, None]
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
-
-
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """Default RoPE: positions [T] or [N, T] → cos, sin [T, hd] or [N, 1, T, hd]."""
-    rope = RotaryEmbedding(head_dim, {"rope_type": "default", "rope_theta": theta}, 1, head_dim, 1)
-    return rope(positions, dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -16,6 +16,7 @@ field for field (docs/checkpoints.md lists every field and what is added on expo
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -221,6 +222,7 @@ def _rope_to_reference(params: dict[str, Any], present: set[str]) -> dict[str, A
     return out
 
 
+@functools.cache
 def _qwen3_defaults():
     from transformers import Qwen3Config
 

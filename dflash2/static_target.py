@@ -101,21 +101,17 @@ class StaticTarget(TargetAdapter):
         return StaticCache()
 
     def _reserve(self, cache: StaticCache, slots: int) -> None:
-        """Buffers for `slots` slots (allocated on the first pass, from the model's K/V shape)."""
-        if cache.keys and cache.keys[0].shape[2] >= slots:
-            return
+        """Check that `slots` slots fit; the buffers (capacity slots, the model's K/V shape) are
+        allocated on a cache's first pass and never grow."""
         if slots > self.capacity:
             raise ValueError(f"the sequence needs {slots} cache slots; this StaticTarget holds {self.capacity}")
+        if cache.keys:
+            return
         attn = self.decoder.layers[0].self_attn
         kv_heads = getattr(attn, "num_key_value_heads", None) or self.config.num_key_value_heads
-        head_dim = attn.head_dim
         weight = self.model.get_input_embeddings().weight
-        new = lambda: weight.new_zeros(1, kv_heads, self.capacity, head_dim)  # noqa: E731
-        old_k, old_v = cache.keys, cache.values
+        new = lambda: weight.new_zeros(1, kv_heads, self.capacity, attn.head_dim)  # noqa: E731
         cache.keys, cache.values = [new() for _ in range(self.num_layers)], [new() for _ in range(self.num_layers)]
-        for buffers, old in ((cache.keys, old_k), (cache.values, old_v)):
-            for b, o in zip(buffers, old):
-                b[:, :, : cache.length] = o[:, :, : cache.length]
 
     def crop(self, cache, length: int) -> None:
         if not isinstance(cache, StaticCache):

@@ -58,6 +58,14 @@ class VLLMResult:
         return [a / drafts for a in self.spec_decode.get("accepted_per_position", [])] if drafts else []
 
 
+def refusal_reason(error: str) -> str:
+    """The line of an engine error that says why, one line for a table (pydantic wraps vLLM's
+    reason in several lines and a `[type=...]` tail)."""
+    lines = [x.strip() for x in error.splitlines() if x.strip()]
+    reason = next((x for x in lines if x.startswith("Value error")), lines[0] if lines else error)
+    return reason.split(" [type=")[0].replace("|", "/")[:160]
+
+
 def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *, max_new_tokens: int,
              drafter: str | Path | None = None, num_speculative_tokens: int = 15, temperature: float = 0.0,
              dtype: str = "float32", enforce_eager: bool = False, max_model_len: int = 2048,
@@ -99,4 +107,4 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
                       vllm_version=data.get("vllm_version"), log_tail=log)
 
 
-__all__ = ["VLLMResult", "run_vllm", "WORKER"]
+__all__ = ["VLLMResult", "refusal_reason", "run_vllm", "WORKER"]

@@ -264,3 +264,34 @@ def oracle_tree_drafter(block_size: int, reference: list[int], width: int, corru
             paths.append(path)
         return paths
     return TreeStubDrafter(block_size, fn)
+
+
+# -- random checkpoints in the published format ----------------------------------------------------
+def random_reference_tensors(*, v2: bool, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
+                             intermediate: int, n_features: int, vocab: int, taps: int = 2, group: int = 16,
+                             rank: int = 8, seed: int = 0, scale: float = 0.2, base_offset: float = 0.0,
+                             codebook_scale: float = 1.0, codebook_suffix: str = "") -> dict[str, Tensor]:
+    """Random float64 tensors under the published DFlash / DFlash 2 names and shapes (written from the
+    published list, not through dflash2's mapping): norms 1 + N(0, scale²), everything else N(0, scale²);
+    conv base kernels shifted by `base_offset`, codebooks scaled by `codebook_scale`."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * scale  # noqa: E731
+    H = hidden
+    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, n_features * H), "hidden_norm.weight": 1 + r(H)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        t |= {p + "self_attn.q_proj.weight": r(heads * head_dim, H), p + "self_attn.k_proj.weight": r(kv_heads * head_dim, H),
+              p + "self_attn.v_proj.weight": r(kv_heads * head_dim, H), p + "self_attn.o_proj.weight": r(H, heads * head_dim),
+              p + "self_attn.q_norm.weight": 1 + r(head_dim), p + "self_attn.k_norm.weight": 1 + r(head_dim),
+              p + "mlp.gate_proj.weight": r(intermediate, H), p + "mlp.up_proj.weight": r(intermediate, H),
+              p + "mlp.down_proj.weight": r(H, intermediate),
+              p + "input_layernorm.weight": 1 + r(H), p + "post_attention_layernorm.weight": 1 + r(H)}
+        if v2:
+            for conv in ("attention_conv", "mlp_conv"):
+                t[p + conv + ".base_kernel"] = base_offset + r(2, taps, H)
+                t[p + conv + ".kernel_projection.weight"] = r(2 * taps * H // group, H)
+    if v2:
+        t["candidate_selector.predecessor_codebook" + codebook_suffix] = r(vocab, rank) * codebook_scale
+        t["candidate_selector.successor_codebook" + codebook_suffix] = r(vocab, rank) * codebook_scale
+        t["candidate_selector.hidden_projection.weight"] = r(rank, H)
+    return t

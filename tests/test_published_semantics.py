@@ -21,7 +21,7 @@ from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate, spec_generate_
 from dflash2.reference_format import config_from_reference, reference_from_config
 from dflash2.training import masked_block_forward
 from tests import published_reference as ref
-from tests.helpers import MASK, VOCAB, hf_greedy, tiny_target
+from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, tiny_target
 
 H, HEADS, KV, HD, INTER, B, GROUP, TAPS, RANK, TOP_K = 32, 4, 2, 12, 40, 6, 16, 2, 8, 4  # HD != H / HEADS
 LAYER_IDS = [0, 2, 3]
@@ -74,26 +74,10 @@ def reference_config(version: int, overrides: dict) -> dict:
 
 
 def reference_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * 0.3  # noqa: E731
-    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, len(LAYER_IDS) * H), "hidden_norm.weight": 1 + r(H)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": r(HEADS * HD, H), p + "self_attn.k_proj.weight": r(KV * HD, H),
-              p + "self_attn.v_proj.weight": r(KV * HD, H), p + "self_attn.o_proj.weight": r(H, HEADS * HD),
-              p + "self_attn.q_norm.weight": 1 + r(HD), p + "self_attn.k_norm.weight": 1 + r(HD),
-              p + "mlp.gate_proj.weight": r(INTER, H), p + "mlp.up_proj.weight": r(INTER, H),
-              p + "mlp.down_proj.weight": r(H, INTER),
-              p + "input_layernorm.weight": 1 + r(H), p + "post_attention_layernorm.weight": 1 + r(H)}
-        if "DFlash2DraftModel" in cfg["architectures"]:
-            for c in ("attention_conv", "mlp_conv"):
-                t[p + c + ".base_kernel"] = 0.5 + r(2, TAPS, H)
-                t[p + c + ".kernel_projection.weight"] = r(2 * TAPS * H // GROUP, H)
-    if "DFlash2DraftModel" in cfg["architectures"]:
-        t["candidate_selector.predecessor_codebook"] = r(VOCAB, RANK) * 3
-        t["candidate_selector.successor_codebook"] = r(VOCAB, RANK) * 3
-        t["candidate_selector.hidden_projection.weight"] = r(RANK, H)
-    return t
+    return random_reference_tensors(v2="DFlash2DraftModel" in cfg["architectures"], layers=cfg["num_hidden_layers"],
+                                    hidden=H, heads=HEADS, kv_heads=KV, head_dim=HD, intermediate=INTER,
+                                    n_features=len(LAYER_IDS), vocab=VOCAB, taps=TAPS, group=GROUP, rank=RANK,
+                                    seed=seed, scale=0.3, base_offset=0.5, codebook_scale=3.0)
 
 
 def write(path, cfg: dict, tensors: dict) -> DFlash2Drafter:

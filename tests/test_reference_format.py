@@ -13,33 +13,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2 import DFlash2Drafter, spec_generate
-from tests.helpers import MASK, VOCAB, hf_greedy, tiny_target
+from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, tiny_target
 
 H, HEADS, KV, HD, INTER, LAYERS, TAPS, GROUP, RANK = 32, 4, 2, 8, 48, 2, 2, 16, 8
 
 
 def reference_tensors(version: int, suffix: bool, n_features: int = 3) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(version * 10 + suffix)
-    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * 0.2
-    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, n_features * H), "hidden_norm.weight": 1 + r(H)}
-    for i in range(LAYERS):
-        p = f"layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": r(HEADS * HD, H), p + "self_attn.k_proj.weight": r(KV * HD, H),
-              p + "self_attn.v_proj.weight": r(KV * HD, H), p + "self_attn.o_proj.weight": r(H, HEADS * HD),
-              p + "self_attn.q_norm.weight": 1 + r(HD), p + "self_attn.k_norm.weight": 1 + r(HD),
-              p + "mlp.gate_proj.weight": r(INTER, H), p + "mlp.up_proj.weight": r(INTER, H),
-              p + "mlp.down_proj.weight": r(H, INTER),
-              p + "input_layernorm.weight": 1 + r(H), p + "post_attention_layernorm.weight": 1 + r(H)}
-        if version == 2:
-            for conv in ("attention_conv", "mlp_conv"):
-                t[p + conv + ".base_kernel"] = r(2, TAPS, H)
-                t[p + conv + ".kernel_projection.weight"] = r(2 * TAPS * H // GROUP, H)
-    if version == 2:
-        w = ".weight" if suffix else ""
-        t["candidate_selector.predecessor_codebook" + w] = r(VOCAB, RANK)
-        t["candidate_selector.successor_codebook" + w] = r(VOCAB, RANK)
-        t["candidate_selector.hidden_projection.weight"] = r(RANK, H)
-    return t
+    return random_reference_tensors(v2=version == 2, layers=LAYERS, hidden=H, heads=HEADS, kv_heads=KV, head_dim=HD,
+                                    intermediate=INTER, n_features=n_features, vocab=VOCAB, taps=TAPS, group=GROUP,
+                                    rank=RANK, seed=version * 10 + suffix, codebook_suffix=".weight" if suffix else "")
 
 
 def reference_config(version: int) -> dict:

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate  # noqa: E402
 from dflash2.prompt_sets import load_prompts  # noqa: E402
+from dflash2.vllm_engine import refusal_reason  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 from target_confidence import markdown_table  # noqa: E402  (this directory)
 
@@ -261,9 +262,7 @@ def _serve_section() -> list[str]:
             if "ours_tau" not in row:
                 continue
             if row.get("error"):
-                lines_of = row["error"].splitlines()
-                reason = next((x.strip() for x in lines_of if "Value error" in x), lines_of[0])
-                lines.append(f"| {run} | {row['method']} | refused: {reason.split(' [type=')[0][:160]} | "
+                lines.append(f"| {run} | {row['method']} | refused: {refusal_reason(row['error'])} | "
                              f"{row['ours_tau']:.3f} | — | — |")
             else:
                 lines.append(f"| {run} | {row['method']} | {row['equals_target_greedy']} | {row['ours_tau']:.3f} | "
