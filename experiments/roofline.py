@@ -45,7 +45,10 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results/roofline.json"))
     parser.add_argument("--context", type=int, default=300, help="cached positions before each measured pass")
     args = parser.parse_args(argv)
+    from dflash2.bench import LoadMonitor, cpu_description
+
     torch.set_grad_enabled(False)
+    monitor = LoadMonitor()
     _, target, drafter = load_embedded("dflash2")
     big = torch.ones(64 * 1024 * 1024)  # 256 MB
     bandwidth = big.numel() * 4 / timed(lambda: big.sum(), repeat=10)
@@ -89,10 +92,9 @@ def main(argv=None) -> int:
             adapter.crop(cache, args.context)
         passes.append(dict(path="model forward, batch", rows=rows, tokens=tokens, seconds=timed(batch_pass),
                            floor=floor(rows * tokens)))
-    from dflash2.bench import cpu_description
-
     result = dict(meta=dict(command="python experiments/roofline.py", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                            machine=platform.platform(), cpu=cpu_description(), context=args.context),
+                            machine=platform.platform(), cpu=cpu_description(), context=args.context,
+                            load=monitor.record()),
                   bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes / 1e6, macs_per_token=params,
                   matmul=matmul, passes=passes)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate  # noqa: E402
 from dflash2.prompt_sets import load_prompts  # noqa: E402
+from dflash2.bench import load_note  # noqa: E402
 from dflash2.vllm_engine import refusal_reason  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 from target_confidence import markdown_table  # noqa: E402  (this directory)
@@ -58,7 +59,10 @@ def main() -> int:
         "number below comes from a script named beside it. The 2-core x86_64 machines of this project differ "
         "between sessions (some have AVX512 with native bfloat16, some only AVX2, with 1.5-2x slower matmuls): "
         "each benchmark table's command line names the machine and CPU it ran on, and speeds compare only "
-        "within one table.",
+        "within one table. A speed table with a load record under its command line (\"Quiet machine: ...\") ran "
+        "with nothing else on the machine; tables without one were measured before the bench recorded the "
+        "machine's load, some while other jobs ran: their τ and outputs stand, their speeds are not results "
+        "until rerun.",
         "",
         "## The embedded target",
         "",
@@ -217,6 +221,7 @@ def _roofline_section() -> list[str]:
              f"{r['bandwidth_gb_s']:.0f} GB/s and its best matmul throughput over the target's own layers is "
              f"{best:.0f} GFLOP/s. A pass cannot take less than the larger of the two floors: reading every "
              "weight once, and its FLOPs at that throughput.", "",
+             *([load_note(r["meta"]["load"]), ""] if "load" in r["meta"] else ["Load: not recorded.", ""]),
              "| the target's linear layers, back to back | tokens per pass | ms | GFLOP/s |", "|---|---|---|---|",
              *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} |"
                for n, v in r["matmul"].items()], "",
