@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .config import DFlash2Config
 from .conv import NoConv, TwoTapDynamicConv
@@ -119,6 +120,11 @@ class KVInjectionAttention(nn.Module):
 
     def project_kv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
         """x [N, T, H], rope (cos, sin) of its positions → k, v [N, kv_heads, T, hd] (k normed, rotated)."""
+        return self._project_kv(x, rope)
+
+    def _project_kv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
+        # forward calls this one: under FSDP `project_kv` is a registered forward method of its own
+        # (the context's K/V), whose hooks would reshard the weights in the middle of forward
         N, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
@@ -136,7 +142,7 @@ class KVInjectionAttention(nn.Module):
         cos, sin = rope
         q = self.q_norm(self.q_proj(x[:, :Q]).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, Q, hd)
         q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :])
-        k, v = self.project_kv(x, rope)
+        k, v = self._project_kv(x, rope)
         if slots is None:
             k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
             v = torch.cat([context_v, v], dim=2)
@@ -191,6 +197,7 @@ class BlockDiffusionBackbone(nn.Module):
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)
         self.layouts = config.attention_layout  # (causal, window) per layer
+        self.gradient_checkpointing = False  # training: recompute each layer in the backward pass
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_parameters, config.max_position_embeddings,
                                       H, config.num_attention_heads)
 
@@ -298,6 +305,8 @@ class BlockDiffusionBackbone(nn.Module):
                     raise ValueError("causal or sliding layers need key_positions")
                 masks[layout] = _and(mask, layout_mask(positions, key_positions, *layout))
         last = len(self.layers) - 1
+        recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context, self.layouts)):
-            x = layer(x, rope, k, v, masks[layout], rows if i == last else None, slots)
+            args = (x, rope, k, v, masks[layout], rows if i == last else None, slots)
+            x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.norm(x)

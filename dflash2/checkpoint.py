@@ -10,17 +10,18 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call write(file) on a temporary file beside `path`, flush it to disk, rename it over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -30,16 +31,17 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
-def save_checkpoint(path: str | Path, state: dict[str, Any], config: dict[str, Any] | None = None) -> None:
-    """torch.save `state` atomically to `path`; the resolved `config` goes beside it as JSON."""
-    path = Path(path)
-    import io
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    atomic_write(path, lambda f: f.write(data))
 
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
+
+def save_checkpoint(path: str | Path, state: dict[str, Any], config: dict[str, Any] | None = None) -> None:
+    """torch.save `state` atomically to `path` (streamed to the file: no second copy in memory); the
+    resolved `config` goes beside it as JSON."""
+    path = Path(path)
     if config is not None:  # the config first: a checkpoint never lacks its config
         atomic_write_bytes(path.with_suffix(".config.json"), (json.dumps(config, indent=2) + "\n").encode())
-    atomic_write_bytes(path, buffer.getvalue())
+    atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any] | None:

@@ -53,7 +53,9 @@ class DFlash2Drafter(nn.Module):
         Hidden size, vocabulary, number of target layers and RoPE parameters come from
         `target.config`; a target whose embedding module scales its output (Gemma: × √H) sets
         `input_embedding_scale` to that factor, since the drafter embeds with the raw matrix.
-        `fields` sets any other DFlash2Config field (and may override the head layout).
+        `fields` sets any other DFlash2Config field (and may override the head layout). A negative
+        `mask_token_id` counts from the end of the vocabulary (-1: its last row, which a padded
+        vocabulary such as Qwen's never produces).
         """
         adapter = TargetAdapter(target)
         tc = adapter.config
@@ -78,6 +80,8 @@ class DFlash2Drafter(nn.Module):
         if clash:
             raise ValueError(f"{clash} must equal the target's ({[sizes[k] for k in clash]})")
         sizes.update(fields)
+        if isinstance(sizes.get("mask_token_id"), int) and sizes["mask_token_id"] < 0:
+            sizes["mask_token_id"] += sizes["vocab_size"]
         weight = target.get_input_embeddings().weight
         return cls(DFlash2Config(**sizes)).to(device=weight.device, dtype=weight.dtype)
 
@@ -322,7 +326,15 @@ class DFlash2Drafter(nn.Module):
     def draft_logits(self, hidden: Tensor, target: TargetAdapter, vocab: Tensor | None = None) -> Tensor:
         """hidden [..., H] → logits [..., V] through the target's LM head (or [..., V'] of the token ids
         `vocab` [V'] only), then the reference's output multiplier and soft-capping when configured."""
-        logits = target.lm_logits(hidden, vocab)
+        return self._finish_logits(target.lm_logits(hidden, vocab))
+
+    def candidate_logits(self, hidden: Tensor, cand: Tensor, target: TargetAdapter) -> Tensor:
+        """hidden [..., H], cand [..., K] token ids → [..., K]: the draft logits of those tokens only
+        (equal to draft_logits(hidden).gather(-1, cand), without the [..., V] logits)."""
+        return self._finish_logits(target.lm_logits_at(hidden, cand))
+
+    def _finish_logits(self, logits: Tensor) -> Tensor:
+        """The reference's output multiplier and soft-capping, when configured."""
         if self.config.output_multiplier is not None:
             logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping

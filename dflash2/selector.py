@@ -32,6 +32,8 @@ from .verify import Draft
 
 
 class ArgmaxSelector(nn.Module):
+    trains_on_candidates = False  # no parameters: nothing for the selector loss to train
+
     def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
                 rng: RandomSource) -> Draft:
         """cands [L, K] for one sequence → Draft of the top-1 tokens (deterministic)."""
@@ -44,6 +46,8 @@ class ArgmaxSelector(nn.Module):
 
 class CodebookSelector(nn.Module):
     """Parameters and lattice scores shared by the walk and Viterbi selectors."""
+
+    trains_on_candidates = True  # the training loss scores the top-K candidates with `edge_scores`
 
     def __init__(self, config: DFlash2Config) -> None:
         super().__init__()

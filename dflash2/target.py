@@ -330,6 +330,23 @@ class TargetAdapter:
             logits = F.linear(flat, *self._head_in(hidden.dtype))
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
+    def lm_logits_at(self, hidden: Tensor, ids: Tensor) -> Tensor:
+        """hidden [..., H], ids [..., K] → [..., K]: `lm_logits(hidden).gather(-1, ids)` from the K rows
+        of the head each position needs (no [..., V] logits; differentiable in `hidden`)."""
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            return self.lm_logits(hidden).gather(-1, ids)
+        weight, bias = (head.weight, head.bias) if head.weight.dtype == hidden.dtype else self._head_in(hidden.dtype)
+        logits = torch.einsum("...h,...kh->...k", hidden, F.embedding(ids, weight))
+        return logits if bias is None else logits + bias[ids]
+
+    def final_logits(self, hidden: Tensor) -> Tensor:
+        """The target's own next-token logits from its final (normed) hidden state [..., H] → [..., V]:
+        its LM head, then the soft-capping its config declares (Gemma 2), as its forward computes them."""
+        logits = self.model.get_output_embeddings()(hidden)
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if not cap else cap * torch.tanh(logits / cap)
+
     def _head_in(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The LM head's weight and bias (their `vocab` rows) cast to `dtype`, redone only when the
         head or the rows change. One copy is kept for the whole head and one for a draft vocabulary."""

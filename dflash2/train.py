@@ -1,15 +1,20 @@
 """`python -m dflash2.train --config configs/<file>.yaml [dotted.key=value ...]`: train a drafter.
 
-The recipe of design doc section 4: the target (frozen, with its embedding and LM head) regenerates
-the responses; each step samples random anchors per sequence and trains all blocks of a sequence in
-one masked forward pass (`dflash2.training`); position-decay weights, optional soft targets, and
-the teacher-forced selector loss.
+The recipe (docs/training.md): the target (frozen, with its embedding and LM head) regenerates the
+responses (`dflash2.train_data`: fixed-length prompts, or chat conversations from a dataset; an `hf`
+or a `vllm` backend; a sharded Arrow dataset on disk); each step samples random anchors per sequence
+(only where the next token is a label: a regenerated token) and trains all blocks of a sequence in
+one masked forward pass (`dflash2.training`); position-decay weights, optional soft targets, the
+teacher-forced selector loss, all computed in chunks of rows, so that no [anchors, block, vocabulary]
+tensor is ever whole.
 
 Resumable: every `ckpt_every` steps the drafter, optimizer and step are written atomically to
 `<out>/ckpt.pt` with the resolved config beside it. Batches and anchors are functions of
 (seed, step, rank), so a run killed at any moment and restarted ends bit-identical to one that was
-never interrupted; the data regeneration before the first step resumes too (`<cache>.partial`).
-Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel (gloo on CPU, nccl on
+never interrupted; the data regeneration resumes at its first missing shard. SIGINT or SIGTERM
+during training writes a checkpoint of the last finished step and exits 130 / 143 with one line.
+Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel (`parallel: ddp`) or
+FSDP (`parallel: fsdp`: parameters, gradients and optimizer state sharded; gloo on CPU, nccl on
 CUDA); every rank sees its own shard of each batch. `--export DIR` writes the last checkpoint as a
 drafter directory (evaluate a long run while it trains).
 """
@@ -21,10 +26,13 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import sys
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,17 +42,40 @@ from .checkpoint import load_checkpoint, save_checkpoint
 from .drafter import DFlash2Drafter
 from .overrides import load_yaml_with_overrides
 from .target import TargetAdapter
-from .training import Losses, drafter_losses, expected_tau_from_accuracy, masked_block_forward, sample_anchors
+from .training import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, masked_block_forward,
+                       position_weights, sample_masked_anchors)
 
 
 @dataclass
 class DataConfig:
-    prompts: str = "random"  # a .pt file holding a list of token-id lists, or "random"
-    num_sequences: int = 64
-    prompt_tokens: int = 16
-    new_tokens: int = 48
+    prompts: str = "random"  # fixed-length prompts: a .pt file holding a list of token-id lists, or "random"
+    num_sequences: int = 64  # fixed-length prompts: how many
+    prompt_tokens: int = 16  # fixed-length prompts: their length
+    new_tokens: int = 48  # fixed-length prompts: exactly this many (past EOS); conversations: at most, per answer
     temperature: float = 0.0  # of the target when it regenerates the responses
-    cache: str | None = None  # where the regenerated data is kept (default <out>/data.pt); runs can share it
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    cache: str | None = None  # the dataset directory (default <out>/data); runs can share it
+    dataset: str | list[str] | None = None  # conversations (replaces `prompts`): .jsonl / .json / .parquet files or hub ids
+    split: str = "train"  # of a hub dataset
+    subset: str | None = None  # of a hub dataset (its config name)
+    max_conversations: int | None = None  # the first N conversations (None: all)
+    system_prompt: str | None = None  # for conversations without a system message
+    enable_thinking: bool | None = None  # passed to the chat template when set (Qwen3-style thinking switch)
+    tokenizer: str | None = None  # whose chat template renders the conversations (default: the target's)
+    max_length: int = 4096  # conversations: a sequence is cut at this many tokens
+    backend: str = "hf"  # who regenerates: "hf" (batched generate here) or "vllm" (offline vLLM engine)
+    regen_batch: int = 32  # hf: rows per generate call
+    shard_size: int = 256  # sequences per shard on disk (the unit of resumption)
+    vllm_python: str | None = None  # vllm: the interpreter of a venv with vLLM (default: this one)
+    tensor_parallel_size: int = 1  # vllm: GPUs per target
+
+    def resolved_cache(self, out: Path) -> Path:
+        """The dataset directory (an older config's `.pt` name means the directory without the suffix)."""
+        if not self.cache:
+            return out / "data"
+        path = Path(self.cache)
+        return path.with_suffix("") if path.suffix == ".pt" else path
 
 
 @dataclass
@@ -56,6 +87,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     steps: int = 100
     batch_size: int = 8  # sequences per step, over all ranks
+    grad_accum: int = 1  # micro-batches per step on each rank (the step's loss and gradient are unchanged)
     anchors_per_seq: int = 8
     lr: float = 6e-4
     warmup_ratio: float = 0.04
@@ -65,10 +97,20 @@ class TrainConfig:
     selector_alpha: float = 0.1
     seed: int = 0
     ckpt_every: int = 50
-    dtype: str = "float32"
+    dtype: str = "float32"  # of the drafter's weights (and the target's, unless target_dtype is set)
+    target_dtype: str | None = None  # of the frozen target (e.g. bfloat16 beside a float32 drafter)
+    autocast: str = "auto"  # "auto": bfloat16 autocast on CUDA, none on CPU; "bf16"; "none"
+    gradient_checkpointing: bool = False  # recompute each drafter layer in the backward pass
+    parallel: str = "ddp"  # under torchrun: "ddp" (replicas) or "fsdp" (sharded parameters and optimizer)
+    loss_chunk: int | None = None  # rows whose [rows, V] logits are alive at once in the loss (None: 2^24 / V)
+    eval_every: int = 0  # steps between held-out τ estimates (0: none)
+    eval_sequences: int = 0  # the last N sequences of the data, never trained on
 
     def __post_init__(self) -> None:
         if isinstance(self.data, dict):
+            unknown = sorted(set(self.data) - {f.name for f in dataclasses.fields(DataConfig)})
+            if unknown:
+                raise ValueError(f"unknown data keys {unknown}; known: {sorted(f.name for f in dataclasses.fields(DataConfig))}")
             self.data = DataConfig(**self.data)
         # YAML 1.1 reads "6e-4" (no dot) as a string: accept it as the number it means
         for name in ("lr", "warmup_ratio", "weight_decay", "selector_alpha", "gamma"):
@@ -78,17 +120,59 @@ class TrainConfig:
                     setattr(self, name, float(value))
                 except (TypeError, ValueError):
                     raise ValueError(f"{name} must be a number, got {value!r}") from None
-        self.data.temperature = float(self.data.temperature)
+        d = self.data
+        d.temperature, d.top_p = float(d.temperature), float(d.top_p)
         if not self.target:
             raise ValueError("config needs `target`: an HF causal LM directory or hub id")
-        for name in ("steps", "batch_size", "anchors_per_seq", "ckpt_every"):
+        for name in ("steps", "batch_size", "anchors_per_seq", "ckpt_every", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.dtype not in ("float32", "float64", "bfloat16"):
-            raise ValueError(f"dtype must be float32, float64 or bfloat16, got {self.dtype!r}")
+        if self.loss_chunk is not None and self.loss_chunk < 1:
+            raise ValueError(f"loss_chunk must be >= 1 or null, got {self.loss_chunk}")
+        for name in ("eval_every", "eval_sequences"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        choices = dict(dtype=("float32", "float64", "bfloat16"), target_dtype=(None, "float32", "float64", "bfloat16"),
+                       autocast=("auto", "bf16", "none"), parallel=("ddp", "fsdp"))
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if d.backend not in ("hf", "vllm"):
+            raise ValueError(f"data.backend must be 'hf' or 'vllm', got {d.backend!r}")
+        for name in ("num_sequences", "prompt_tokens", "new_tokens", "regen_batch", "shard_size", "max_length",
+                     "tensor_parallel_size"):
+            if getattr(d, name) < 1:
+                raise ValueError(f"data.{name} must be >= 1, got {getattr(d, name)}")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def config_reference() -> str:
+    """Every config key with its default and the comment beside its field, for --help."""
+    import inspect
+    import re
+
+    def notes(cls) -> dict[str, str]:
+        found = re.findall(r"^    (\w+): [^=\n]+=[^#\n]*#\s*(.+)$", inspect.getsource(cls), flags=re.M)
+        return dict(found)
+
+    lines = []
+    for cls, prefix in ((TrainConfig, ""), (DataConfig, "data.")):
+        comments = notes(cls)
+        for f in dataclasses.fields(cls):
+            if f.name != "data":
+                note = comments.get(f.name, "")
+                lines.append(f"  {prefix + f.name} = {_default(f)!r}" + (f"  ({note})" if note else ""))
+    return "\n".join(lines)
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
 # -- config files and overrides --------------------------------------------------------------------
@@ -101,67 +185,126 @@ def load_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
     return TrainConfig(**raw)
 
 
-REGEN_CHUNK = 64  # prompts the target continues in one generate call
-REGEN_SAVE_EVERY = 8  # chunks between saves of a regeneration in progress
-
-
 # -- data: responses regenerated by the target -------------------------------------------------------
-@torch.no_grad()
-def regenerate(cfg: TrainConfig, target, vocab: int, partial: Path | None = None, recipe: dict | None = None
-               ) -> torch.Tensor:
-    """[S, prompt_tokens + new_tokens] sequences: corpus (or random) prompts, continued by the target.
+def data_recipe(cfg: TrainConfig) -> dict[str, Any]:
+    """Every field that changes the regenerated data (checked when a dataset directory is reused)."""
+    d = dataclasses.asdict(cfg.data)
+    for name in ("cache", "vllm_python", "tensor_parallel_size"):  # where and how, not what
+        d.pop(name)
+    if cfg.data.dataset is None:  # fixed-length prompts: the conversation fields change nothing
+        for name in ("dataset", "split", "subset", "max_conversations", "system_prompt", "enable_thinking",
+                     "tokenizer", "max_length"):
+            d.pop(name)
+    else:
+        for name in ("prompts", "num_sequences", "prompt_tokens"):
+            d.pop(name)
+    return dict(d, target=cfg.target, seed=cfg.seed)
 
-    Resumable: with `partial`, the chunks done so far are saved there (atomically, every
-    REGEN_SAVE_EVERY chunks, with `recipe`) and a restart continues after them. Each chunk samples
-    from its own seed, so a resumed regeneration equals an uninterrupted one."""
+
+def fixed_prompts(cfg: TrainConfig, vocab: int) -> list[list[int]]:
     d = cfg.data
     g = torch.Generator().manual_seed(cfg.seed)
     if d.prompts == "random":
-        prompts = torch.randint(0, vocab, (d.num_sequences, d.prompt_tokens), generator=g)
-    else:
-        pool = [p for p in torch.load(d.prompts) if len(p) >= d.prompt_tokens]
-        if not pool:
-            raise ValueError(f"{d.prompts} holds no prompt of at least {d.prompt_tokens} tokens")
-        pick = torch.randint(0, len(pool), (d.num_sequences,), generator=g).tolist()
-        prompts = torch.tensor([pool[i][: d.prompt_tokens] for i in pick])
-    device = target.get_input_embeddings().weight.device
-    stored = load_checkpoint(partial) if partial is not None else None
-    done = stored["chunks"] if stored is not None and stored.get("recipe") == recipe else []
-    chunks = prompts.split(REGEN_CHUNK)
-    kwargs = dict(do_sample=True, temperature=d.temperature, top_k=0) if d.temperature > 0 else dict(do_sample=False)
+        return torch.randint(0, vocab, (d.num_sequences, d.prompt_tokens), generator=g).tolist()
+    if not Path(d.prompts).is_file():
+        build = " (python experiments/embedded/build_prompts.py writes it)" if "embedded" in d.prompts else ""
+        raise FileNotFoundError(f"no such prompts file: {d.prompts}{build}")
+    pool = [p for p in torch.load(d.prompts) if len(p) >= d.prompt_tokens]
+    if not pool:
+        raise ValueError(f"{d.prompts} holds no prompt of at least {d.prompt_tokens} tokens")
+    pick = torch.randint(0, len(pool), (d.num_sequences,), generator=g).tolist()
+    return [list(pool[i][: d.prompt_tokens]) for i in pick]
+
+
+def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_stderr) -> Path:
+    """Write the run's dataset directory (see `dflash2.train_data`); returns it. Resumes a partial one."""
     from tqdm import tqdm
 
-    for i in tqdm(range(len(done), len(chunks)), initial=len(done), total=len(chunks), desc="data",
-                  disable=len(chunks) < 2):
-        chunk = chunks[i].to(device)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(cfg.seed * 1_000_003 + i)  # this chunk's draws, whatever ran before
-            seq = target.generate(chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=d.new_tokens,
-                                  min_new_tokens=d.new_tokens, pad_token_id=0, **kwargs)
-        done.append(seq.cpu())
-        if partial is not None and (len(done) % REGEN_SAVE_EVERY == 0 or len(done) == len(chunks)):
-            save_checkpoint(partial, {"chunks": done, "recipe": recipe})
-    return torch.cat(done)
+    from . import train_data as td
+
+    d = cfg.data
+    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    if not eos_ids and target.config.eos_token_id is not None:
+        eos_ids = [target.config.eos_token_id]
+    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else (eos_ids or [0])[0]
+    sampling = td.Sampling(d.new_tokens, d.temperature, d.top_p, d.top_k, stop_at_eos=d.dataset is not None)
+    tokenizer = None
+    if d.dataset is not None:
+        from transformers import AutoTokenizer
+
+        source = d.tokenizer or cfg.target
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        td.check_chat_template(tokenizer, source)
+        jobs: list = td.load_conversations(d.dataset, d.split, d.subset, d.max_conversations, d.system_prompt)
+        if not eos_ids and tokenizer.eos_token_id is not None:
+            eos_ids = [tokenizer.eos_token_id]
+    else:
+        jobs = fixed_prompts(cfg, target.get_input_embeddings().weight.shape[0])
+    if backend is None:
+        if d.backend == "vllm":
+            longest = d.max_length if d.dataset is not None else d.prompt_tokens + d.new_tokens
+            limit = getattr(target.config.get_text_config(), "max_position_embeddings", None) or longest
+            backend = td.VLLMBackend(d.vllm_python or sys.executable, cfg.target, d.tokenizer, eos_ids, cfg.target_dtype or cfg.dtype,
+                                     min(longest, limit), d.tensor_parallel_size)
+        else:
+            backend = td.HFBackend(target, eos_ids, pad_id, d.regen_batch)
+    what = f"{len(jobs)} conversations of {d.dataset}" if d.dataset else f"{len(jobs)} prompts"
+    log(f"data: regenerating {what} with the {d.backend} backend into {directory}")
+    bar = tqdm(total=len(jobs), desc="data", unit="seq", file=sys.stderr)
+
+    def make_shard(i: int, shard: list):
+        seed = cfg.seed * 1_000_003 + i  # this shard's draws, whatever ran before
+        if d.dataset is not None:
+            out = td.chat_shard(backend, tokenizer, shard, sampling, seed, d.max_length, d.enable_thinking)
+        else:
+            out = td.fixed_shard(backend, shard, d.new_tokens, sampling, seed)
+        bar.update(len(shard))
+        return out
+
+    recipe = data_recipe(cfg)
+    done_before = sum(1 for p in directory.glob("shard_*") if p.is_dir()) if directory.is_dir() else 0
+    if done_before and not (directory / "complete.json").is_file():
+        bar.update(min(len(jobs), done_before * d.shard_size))
+        log(f"data: resuming after {done_before} written shards")
+    try:
+        return td.build(directory, recipe, jobs, d.shard_size, make_shard)
+    finally:
+        bar.close()
 
 
 # -- one training step ---------------------------------------------------------------------------------
 class TrainStep(nn.Module):
-    """Wraps the drafter so that DDP sees every trainable parameter used inside one forward."""
+    """Wraps the drafter so that DDP / FSDP see every trainable parameter used inside one forward."""
 
     def __init__(self, drafter: DFlash2Drafter, target: TargetAdapter, cfg: TrainConfig) -> None:
         super().__init__()
         self.drafter, self.cfg = drafter, cfg
         self._target = target  # not a module: the target is frozen and never synchronised
 
-    def forward(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor,
-                soft: torch.Tensor | None) -> Losses:
-        out = masked_block_forward(self.drafter, self._target, ids, features, anchors)
-        if soft is not None:  # the target's distribution for each drafted position
+    def forward(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                label_mask: torch.Tensor, last_hidden: torch.Tensor | None,
+                denominators: tuple[float, float] | None = None) -> Losses:
+        out = masked_block_forward(self.drafter, self._target, ids, features, anchors, label_mask=label_mask,
+                                   valid=valid, logits=False)
+        t_hidden = None
+        if last_hidden is not None:  # the target's final hidden state where it predicts each label
             N, A, L = out.labels.shape
             pos = (anchors[:, :, None] + torch.arange(L, device=ids.device)).reshape(N, -1)  # predicts pos + 1
-            soft = soft.gather(1, pos[..., None].expand(-1, -1, soft.shape[-1])).view(N, A, L, -1)
-        return drafter_losses(self.drafter, out, gamma=self.cfg.gamma, soft_targets=soft,
-                              selector_alpha=self.cfg.selector_alpha)
+            t_hidden = last_hidden.gather(1, pos[..., None].expand(-1, -1, last_hidden.shape[-1])).view(N, A, L, -1)
+        return drafter_losses(self.drafter, self._target, out, gamma=self.cfg.gamma, target_hidden=t_hidden,
+                              selector_alpha=self.cfg.selector_alpha, denominators=denominators,
+                              chunk=self.cfg.loss_chunk)
+
+
+    @torch.no_grad()
+    def accepted(self, ids: torch.Tensor, features: torch.Tensor, anchors: torch.Tensor, valid: torch.Tensor,
+                 label_mask: torch.Tensor) -> torch.Tensor:
+        """[N, A] tokens a greedy verifier would accept per block (see `accepted_lengths`)."""
+        out = masked_block_forward(self.drafter, self._target, ids, features, anchors, label_mask=label_mask,
+                                   valid=valid, logits=False)
+        top1 = self.drafter.draft_logits(out.hidden, self._target).argmax(-1) == out.labels
+        return accepted_lengths(top1, out.weights)
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
@@ -185,106 +328,304 @@ def batch_indices(step: int, cfg: TrainConfig, num_sequences: int, rank: int, wo
     return chosen[rank::world]
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived; `signum` says which."""
+
+    def __init__(self, signum: int, message: str = "") -> None:
+        super().__init__(message or signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextmanager
+def stop_signals(deferred: dict[str, int | None]) -> Iterator[None]:
+    """SIGINT / SIGTERM: when deferred["defer"] is set, remember the signal in deferred["signum"] (the
+    training loop stops at the end of the step it is in); otherwise, or at a second signal, raise
+    Interrupted at once (the data regeneration: shards are written atomically)."""
+
+    def handler(signum, frame):
+        if deferred.get("defer") and deferred.get("signum") is None:
+            deferred["signum"] = signum
+            return
+        raise Interrupted(signum)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 # -- the run ------------------------------------------------------------------------------------------
-def train(cfg: TrainConfig, stop_after: int | None = None) -> Path:
-    from tqdm import tqdm
-    from transformers import AutoModelForCausalLM
+class Run:
+    """Everything one training process holds: the models, the optimizer, the data, and its place."""
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    distributed = world > 1
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else torch.device("cpu")
-    if distributed and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    if cfg.batch_size % world:
-        raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {world} processes")
-    dtype = getattr(torch, cfg.dtype)
-    out = Path(cfg.out)
-    target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=dtype).to(device).eval()
-    target.requires_grad_(False)
-    torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
-    drafter = DFlash2Drafter.from_target(target, **cfg.drafter).train()
-    if cfg.init:  # a fine-tune continues the given drafter (optimiser fresh); only depth may grow
-        start = DFlash2Drafter.from_pretrained(cfg.init)
-        if start.config.num_layers < drafter.config.num_layers:
-            start = start.grown(drafter.config.num_layers)
-        have, want = start.config.to_dict(), drafter.config.to_dict()
-        differ = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
-        if differ:
-            raise ValueError(f"init drafter {cfg.init} does not fit the run's drafter config "
-                             f"(field: init's value, the run's): {differ}")
-        drafter.load_state_dict(start.state_dict())
-    B = drafter.config.block_size
-    if cfg.gamma is None:
-        cfg.gamma = {16: 7.0, 8: 4.0}.get(B, B / 2)
-    check_resume(out, cfg)  # before minutes of data regeneration, once the config is fully resolved
-    adapter = TargetAdapter(target, drafter.target_layer_ids)
-    step_module: nn.Module = TrainStep(drafter, adapter, cfg)
-    if distributed:
-        unused = cfg.selector_alpha == 0 and drafter.config.selector != "argmax"
-        step_module = nn.parallel.DistributedDataParallel(step_module, find_unused_parameters=unused)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    def __init__(self, cfg: TrainConfig, log=_stderr) -> None:
+        from transformers import AutoModelForCausalLM
 
-    data_path = Path(cfg.data.cache) if cfg.data.cache else out / "data.pt"
-    recipe = dict(dataclasses.asdict(cfg.data), cache=None, target=cfg.target, seed=cfg.seed)
-    if rank == 0 and not data_path.is_file():
-        out.mkdir(parents=True, exist_ok=True)
-        partial = data_path.with_name(data_path.name + ".partial")
-        sequences = regenerate(cfg, target, adapter.vocab_size, partial, recipe)
-        save_checkpoint(data_path, {"sequences": sequences, "recipe": recipe})
-        partial.unlink(missing_ok=True)
-    if distributed:
-        dist.barrier()
-    stored = load_checkpoint(data_path)
-    if stored.get("recipe") != recipe:
-        raise ValueError(f"{data_path} was regenerated with a different data recipe: {stored.get('recipe')}")
-    sequences = stored["sequences"]
+        self.cfg, self.log = cfg, log
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.distributed = self.world > 1
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+        if self.distributed and not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        if cfg.batch_size % self.world:
+            raise ValueError(f"batch_size {cfg.batch_size} is not divisible by the {self.world} processes")
+        if (cfg.batch_size // self.world) % cfg.grad_accum:
+            raise ValueError(f"the {cfg.batch_size // self.world} sequences per process and step do not split "
+                             f"into grad_accum={cfg.grad_accum} micro-batches")
+        self.out = Path(cfg.out)
+        if not Path(cfg.target).is_dir() and (cfg.target.startswith(("/", ".", "~")) or cfg.target.count("/") > 1):
+            raise FileNotFoundError(f"no such target directory: {cfg.target}")
+        self.target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
+        self.target = self.target.to(self.device).eval()
+        self.target.requires_grad_(False)
+        torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
+        drafter = DFlash2Drafter.from_target(self.target, **cfg.drafter).to(getattr(torch, cfg.dtype)).train()
+        if cfg.init:  # a fine-tune continues the given drafter (optimiser fresh); only depth may grow
+            drafter.load_state_dict(_init_state(cfg.init, drafter))
+        drafter.backbone.gradient_checkpointing = cfg.gradient_checkpointing
+        self.drafter = drafter
+        B = drafter.config.block_size
+        if cfg.gamma is None:
+            cfg.gamma = {16: 7.0, 8: 4.0}.get(B, B / 2)
+        check_resume(self.out, cfg)  # before minutes of data regeneration, once the config is fully resolved
+        self.adapter = TargetAdapter(self.target, drafter.target_layer_ids)
+        self.step_module: nn.Module = TrainStep(drafter, self.adapter, cfg)
+        if self.distributed and cfg.parallel == "fsdp":
+            from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    step = 0
-    state = load_checkpoint(out / "ckpt.pt")
-    if state is not None:
-        drafter.load_state_dict(state["drafter"])
-        opt.load_state_dict(state["optimizer"])
-        step = state["step"]
-    end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
-    bar = tqdm(range(step, end), initial=step, total=cfg.steps, desc="drafter", disable=rank != 0)
-    for step in bar:
-        for group in opt.param_groups:
+            for layer in drafter.backbone.layers:  # one group per layer; its K/V projection of the context
+                fully_shard(layer.self_attn)       # runs outside the layer's forward, so it is one too
+                register_fsdp_forward_method(layer.self_attn, "project_kv")
+                fully_shard(layer)
+            fully_shard(self.step_module)
+            register_fsdp_forward_method(self.step_module, "accepted")
+        elif self.distributed:
+            unused = cfg.selector_alpha == 0 and drafter.config.selector != "argmax"
+            self.step_module = nn.parallel.DistributedDataParallel(self.step_module, find_unused_parameters=unused)
+        self.trainable = [p for p in drafter.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        use_bf16 = cfg.autocast == "bf16" or (cfg.autocast == "auto" and self.device.type == "cuda")
+        self.autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16) if use_bf16 else nullcontext())
+
+    # -- data --------------------------------------------------------------------------------------
+    def load_data(self) -> None:
+        from .train_data import SequenceData
+
+        directory = self.cfg.data.resolved_cache(self.out)
+        if self.rank == 0 and not (directory / "complete.json").is_file():
+            self.out.mkdir(parents=True, exist_ok=True)
+            regenerate(self.cfg, self.target, directory, log=self.log)
+        if self.distributed:
+            dist.barrier()
+        data = SequenceData(directory)
+        if data.recipe != json.loads(json.dumps(data_recipe(self.cfg))):
+            raise ValueError(f"{directory} was regenerated with a different data recipe: {data.recipe}")
+        self.data = data
+        self.num_train = len(data) - self.cfg.eval_sequences
+        if self.num_train < 1:
+            raise ValueError(f"eval_sequences={self.cfg.eval_sequences} leaves none of the {len(data)} sequences to train on")
+        pad = self.target.config.pad_token_id
+        self.pad_id = pad if pad is not None else 0
+
+    def batch(self, indices: torch.Tensor, generator: torch.Generator):
+        """(ids, features, anchors, valid, label_mask, last_hidden) of these sequences, on the device."""
+        B = self.drafter.config.block_size
+        ids, lengths, label_mask = self.data.batch(indices, self.pad_id)
+        anchors, valid = sample_masked_anchors(label_mask, lengths, B, self.cfg.anchors_per_seq, generator)
+        ids, label_mask = ids.to(self.device), label_mask.to(self.device)
+        attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
+        with torch.no_grad():  # the frozen target: features of every position, its final hidden state
+            t_out = self.adapter.model(input_ids=ids, attention_mask=attention, output_hidden_states=True,
+                                       use_cache=False, logits_to_keep=1)
+            features = torch.cat([t_out.hidden_states[i + 1] for i in self.drafter.target_layer_ids], dim=-1)
+            last = t_out.hidden_states[-1] if self.cfg.soft_targets else None
+        return ids, features, anchors.to(self.device), valid.to(self.device), label_mask, last
+
+    # -- steps -------------------------------------------------------------------------------------
+    def train_step(self, step: int) -> tuple[Losses, int, int]:
+        """One optimizer step; returns the last micro-batch's losses (metrics averaged over all of them),
+        the tokens and the anchors it trained on."""
+        cfg = self.cfg
+        for group in self.opt.param_groups:
             group["lr"] = lr_at(step, cfg)
-        ids = sequences[batch_indices(step, cfg, sequences.shape[0], rank, world)].to(device)
-        with torch.no_grad():  # the frozen target: features of every position, and its distributions
-            t_out = adapter.model(input_ids=ids, output_hidden_states=True, use_cache=False)
-            features = torch.cat([t_out.hidden_states[i + 1] for i in drafter.target_layer_ids], dim=-1)
-            soft = t_out.logits.float().softmax(-1) if cfg.soft_targets else None
-        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + rank)
-        anchors = sample_anchors(ids.shape[0], ids.shape[1], B, cfg.anchors_per_seq, g,
-                                 low=cfg.data.prompt_tokens - 1).to(device)  # labels: responses only
-        losses = step_module(ids, features, anchors, soft)
-        opt.zero_grad(set_to_none=True)
-        losses.total.backward()
-        torch.nn.utils.clip_grad_norm_(trainable, 1.0)
-        opt.step()
-        m = losses.metrics
-        bar.set_postfix(loss=f"{float(losses.total.detach()):.3f}", top1=f"{m['top1_acc']:.2f}",
-                        cov=f"{m['topk_coverage']:.2f}", sel=f"{m.get('selector_acc', float('nan')):.2f}",
-                        tau=f"{expected_tau_from_accuracy(m['top1_acc_by_pos']):.2f}")
-        done = step + 1
-        if rank == 0 and (done % cfg.ckpt_every == 0 or done == end):
-            record = dict(step=done, loss=float(losses.total.detach()), **m)
-            save_checkpoint(out / "ckpt.pt", dict(drafter=drafter.state_dict(), optimizer=opt.state_dict(),
-                                                  step=done), config=cfg.to_dict())
-            with (out / "log.jsonl").open("a") as f:
+        indices = batch_indices(step, cfg, self.num_train, self.rank, self.world)
+        g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step * 1009 + self.rank)
+        micro = [self.batch(part, g) for part in indices.chunk(cfg.grad_accum)]
+        L = self.drafter.config.block_size - 1
+        dens = _denominators(micro, L, cfg.gamma) if cfg.grad_accum > 1 else None
+        self.opt.zero_grad(set_to_none=True)
+        metrics: dict[str, Any] = {}
+        for n, (ids, feats, anchors, valid, mask, last) in enumerate(micro):
+            with self.autocast:
+                losses = self.step_module(ids, feats, anchors, valid, mask, last, dens)
+            losses.total.backward()
+            metrics = _merge(metrics, losses.metrics, n)
+        torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
+        self.opt.step()
+        tokens = sum(int(m[4].shape[0] * m[4].shape[1]) for m in micro)
+        anchors = sum(int(m[3].sum()) for m in micro)
+        return losses._replace(metrics=metrics), tokens, anchors
+
+    @torch.no_grad()
+    def heldout_tau(self) -> float:
+        """Mean tokens per block a greedy verifier would accept on the held-out sequences, at fixed
+        anchors (1 + the drafted tokens right in a row): the τ of a path drafter, teacher-forced."""
+        cfg, total, count = self.cfg, 0.0, 0
+        held = torch.arange(self.num_train, len(self.data))
+        self.drafter.eval()
+        try:
+            for part in held.split(max(1, cfg.batch_size // self.world)):
+                g = torch.Generator().manual_seed(cfg.seed * 7 + 1)
+                ids, feats, anchors, valid, mask, _ = self.batch(part, g)
+                module = self.step_module.module if isinstance(self.step_module, nn.parallel.DistributedDataParallel) \
+                    else self.step_module
+                with self.autocast:
+                    total += float(module.accepted(ids, feats, anchors, valid, mask).sum())
+                count += int(valid.sum())
+        finally:
+            self.drafter.train()
+        return total / max(count, 1)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    def state(self, step: int) -> dict[str, Any]:
+        if self.distributed and self.cfg.parallel == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                                 get_optimizer_state_dict)
+
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model = get_model_state_dict(self.step_module, options=options)
+            optim = get_optimizer_state_dict(self.step_module, self.opt, options=options)
+            return dict(drafter={k.removeprefix("drafter."): v for k, v in model.items()}, optimizer=optim,
+                        step=step, fsdp=True)
+        return dict(drafter=self.drafter.state_dict(), optimizer=self.opt.state_dict(), step=step)
+
+    def restore(self, state: dict[str, Any]) -> int:
+        if self.distributed and self.cfg.parallel == "fsdp":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                                 set_optimizer_state_dict)
+
+            if not state.get("fsdp"):
+                raise ValueError("this checkpoint was written without FSDP; resume it with parallel: ddp")
+            options = StateDictOptions(full_state_dict=True)
+            set_model_state_dict(self.step_module, {f"drafter.{k}": v for k, v in state["drafter"].items()},
+                                 options=options)
+            set_optimizer_state_dict(self.step_module, self.opt, state["optimizer"], options=options)
+        else:
+            if state.get("fsdp"):
+                raise ValueError("this checkpoint was written by FSDP; resume it with parallel: fsdp")
+            self.drafter.load_state_dict(state["drafter"])
+            self.opt.load_state_dict(state["optimizer"])
+        return state["step"]
+
+    def save(self, step: int, record: dict[str, Any]) -> None:
+        state = self.state(step)  # every rank takes part in gathering a sharded state
+        if self.rank == 0:
+            save_checkpoint(self.out / "ckpt.pt", state, config=self.cfg.to_dict())
+            with (self.out / "log.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
-    if rank == 0 and end == cfg.steps:
-        drafter.save_pretrained(out / "final")
-        (out / "final" / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
-    if distributed:
-        digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(drafter.parameters()))
-        (out / f"replica_{rank}.json").write_text(json.dumps({"rank": rank, "step": end, "digest": digest}))
-        dist.barrier()
-        dist.destroy_process_group()
+
+
+def _init_state(init: str, drafter: DFlash2Drafter) -> dict[str, torch.Tensor]:
+    start = DFlash2Drafter.from_pretrained(init)
+    if start.config.num_layers < drafter.config.num_layers:
+        start = start.grown(drafter.config.num_layers)
+    have, want = start.config.to_dict(), drafter.config.to_dict()
+    differ = {k: (have[k], want.get(k)) for k in have if have[k] != want.get(k)}
+    if differ:
+        raise ValueError(f"init drafter {init} does not fit the run's drafter config "
+                         f"(field: init's value, the run's): {differ}")
+    return start.state_dict()
+
+
+def _denominators(micro: list, L: int, gamma: float | None) -> tuple[float, float]:
+    """The whole step's Σ w_k·m and Σ m over every micro-batch's label weights (before any forward)."""
+    w = position_weights(L, gamma)
+    den_b = den_s = 0.0
+    for ids, _, anchors, valid, mask, _ in micro:
+        N, A = anchors.shape
+        pos = (anchors[:, :, None] + 1 + torch.arange(L, device=anchors.device)).reshape(N, -1)
+        m = (mask.gather(1, pos).view(N, A, L) & valid[:, :, None]).float().cpu()
+        den_b += float((m * w).sum())
+        den_s += float(m.sum())
+    return den_b, den_s
+
+
+def _merge(acc: dict[str, Any], new: dict[str, Any], n: int) -> dict[str, Any]:
+    """Running mean of metric dicts over micro-batches (n: how many are in acc)."""
+    if not acc:
+        return dict(new)
+    out = {}
+    for k, v in new.items():
+        a = acc.get(k, v)
+        out[k] = [(x * n + y) / (n + 1) for x, y in zip(a, v)] if isinstance(v, list) else (a * n + v) / (n + 1)
     return out
+
+
+def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
+    from tqdm import tqdm
+
+    signals: dict[str, int | None] = {"defer": 0, "signum": None}
+    with stop_signals(signals):
+        run = Run(cfg, log)
+        run.load_data()
+        step = 0
+        state = load_checkpoint(run.out / "ckpt.pt")
+        if state is not None:
+            step = run.restore(state)
+            if run.rank == 0:
+                log(f"resuming from step {step} of {cfg.steps} ({run.out / 'ckpt.pt'})")
+        end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
+        saved = step
+        bar = tqdm(range(step, end), initial=step, total=cfg.steps, desc="drafter", disable=run.rank != 0)
+        signals["defer"] = 1  # from here a signal stops the loop at the end of its step
+        started, seen_tokens, seen_anchors = time.perf_counter(), 0, 0
+        for step in bar:
+            losses, tokens, anchors = run.train_step(step)
+            seen_tokens, seen_anchors = seen_tokens + tokens, seen_anchors + anchors
+            elapsed = max(time.perf_counter() - started, 1e-9)
+            m = losses.metrics
+            done = step + 1
+            record: dict[str, Any] = dict(step=done, loss=float(losses.total.detach()), **m,
+                                          tokens_per_s=seen_tokens * run.world / elapsed,
+                                          anchors_per_s=seen_anchors * run.world / elapsed)
+            if run.device.type == "cuda":
+                record["cuda_peak_gb"] = torch.cuda.max_memory_allocated(run.device) / 2**30
+            if cfg.eval_every and cfg.eval_sequences and (done % cfg.eval_every == 0 or done == end):
+                record["heldout_tau"] = run.heldout_tau()
+            bar.set_postfix(loss=f"{record['loss']:.3f}", top1=f"{m['top1_acc']:.2f}",
+                            tau=f"{expected_tau_from_accuracy(m['top1_acc_by_pos']):.2f}",
+                            **({"heldout_tau": f"{record['heldout_tau']:.2f}"} if "heldout_tau" in record else {}),
+                            tok_s=f"{record['tokens_per_s']:.0f}", anc_s=f"{record['anchors_per_s']:.0f}")
+            if done % cfg.ckpt_every == 0 or done == end or signals["signum"] is not None:
+                run.save(done, record)
+                saved = done
+            if signals["signum"] is not None:
+                bar.close()
+                raise Interrupted(signals["signum"], f"{signal.Signals(signals['signum']).name} at step {saved} of "
+                                  f"{cfg.steps}: checkpoint written to {run.out / 'ckpt.pt'}; the same command resumes")
+        signals["defer"] = 0
+        bar.close()
+        fsdp = run.distributed and cfg.parallel == "fsdp"
+        full = run.state(end)["drafter"] if (end == cfg.steps or run.distributed) else None  # every rank gathers
+        if run.rank == 0 and end == cfg.steps:
+            final = run.drafter
+            if fsdp:  # the sharded drafter's full weights, in an unsharded copy
+                final = DFlash2Drafter(run.drafter.config)
+                final.load_state_dict(full)
+            final.save_pretrained(run.out / "final")
+            (run.out / "final" / "train_config.json").write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")
+        if run.distributed:
+            if not fsdp:  # each replica's own weights (sharded weights are gathered on rank 0 only)
+                digest = sum(float(p.double().sum()) * (i + 1) for i, p in enumerate(full.values()))
+                (run.out / f"replica_{run.rank}.json").write_text(json.dumps({"rank": run.rank, "step": end,
+                                                                              "digest": digest}))
+            dist.barrier()
+            dist.destroy_process_group()
+    return run.out
 
 
 RESUME_FREE = {"out", "ckpt_every"}  # fields a resumed run may change: they change none of its results
@@ -324,9 +665,11 @@ def export_checkpoint(cfg: TrainConfig, directory: str | Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash2.train", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", type=Path, help="YAML of TrainConfig fields")
-    p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many more steps")
+    p = argparse.ArgumentParser(prog="python -m dflash2.train", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="config keys (YAML or dotted.key=value) and their defaults:\n" + config_reference())
+    p.add_argument("--config", type=Path, help="YAML of config keys (default: none; the overrides alone)")
+    p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many more steps (default: run to `steps`)")
     p.add_argument("--export", type=Path, metavar="DIR",
                    help="train nothing: write the run's last checkpoint as a drafter directory DIR")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. steps=200 drafter.block_size=8")
@@ -338,7 +681,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote the step-{step} drafter of {cfg.out} to {args.export}")
             return 0
         out = train(cfg, stop_after=args.stop_after)
-    except (ValueError, TypeError, OSError) as err:
+    except Interrupted as stop:
+        detail = str(stop) if str(stop) != signal.Signals(stop.signum).name else (
+            f"{signal.Signals(stop.signum).name}: stopped before the first training step; the same command resumes")
+        print(f"interrupted by {detail}", file=sys.stderr)
+        return 128 + stop.signum
+    except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run directory: {out}")

@@ -25,18 +25,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .drafter import DFlash2Drafter
-from .selector import CodebookSelector
 from .target import TargetAdapter
 
 
 class BlockOutputs(NamedTuple):
-    """logits [N, A, L, V]; hidden [N, A, L, H] (final-normed); labels [N, A, L]; prev [N, A, L]
-    (the true token before each drafted position: the anchor, then the labels shifted by one)."""
+    """hidden [N, A, L, H] (final-normed); labels [N, A, L]; prev [N, A, L] (the true token before each
+    drafted position: the anchor, then the labels shifted by one); weights [N, A, L] (1 where the label
+    counts: a real anchor, a label position inside the sequence that `label_mask` allows; else 0);
+    logits [N, A, L, V] when asked for (tests), else None: the loss computes them in chunks."""
 
-    logits: Tensor
     hidden: Tensor
     labels: Tensor
     prev: Tensor
+    weights: Tensor
+    logits: Tensor | None = None
 
 
 class Losses(NamedTuple):
@@ -61,6 +63,31 @@ def sample_anchors(N: int, T: int, B: int, A: int, generator: torch.Generator, l
     return torch.stack(rows)
 
 
+def sample_masked_anchors(label_mask: Tensor, lengths: Tensor, B: int, A: int, generator: torch.Generator
+                          ) -> tuple[Tensor, Tensor]:
+    """Anchors for variable-length sequences: (anchors [N, A'], valid [N, A'] bool), A' <= A.
+
+    label_mask [N, T] bool (True: the token is a label, e.g. an assistant token); lengths [N]. An anchor
+    a is a position whose next token is a label (label_mask[a + 1]), with a + B <= length (the whole
+    block inside the sequence). Each row draws up to A distinct anchors, sorted; rows with fewer pad
+    with anchor 1 and valid False (A' >= 1 always)."""
+    N, T = label_mask.shape
+    pos = torch.arange(T)
+    ok = torch.zeros(N, T, dtype=torch.bool)
+    ok[:, 1:-1] = label_mask[:, 2:].cpu()
+    ok &= (pos[None] + B <= lengths.cpu()[:, None]) & (pos[None] >= 1)
+    rows = []
+    for n in range(N):
+        cand = ok[n].nonzero()[:, 0]
+        rows.append(cand[torch.randperm(len(cand), generator=generator)[:A]].sort().values)
+    width = max(1, max(len(r) for r in rows))
+    anchors = torch.ones(N, width, dtype=torch.long)
+    valid = torch.zeros(N, width, dtype=torch.bool)
+    for n, r in enumerate(rows):
+        anchors[n, : len(r)], valid[n, : len(r)] = r, True
+    return anchors.to(label_mask.device), valid.to(label_mask.device)
+
+
 def block_mask(anchors: Tensor, T: int, B: int, window: int | None = None) -> Tensor:
     """[N, 1, A·B, T + A·B] bool: block j sees context p < a_j (and p >= a_j - window), and itself."""
     N, A = anchors.shape
@@ -76,8 +103,12 @@ def block_mask(anchors: Tensor, T: int, B: int, window: int | None = None) -> Te
 
 
 def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Tensor, features: Tensor,
-                         anchors: Tensor) -> BlockOutputs:
-    """ids [N, T], features [N, T, F] (the target's, for every position), anchors [N, A]."""
+                         anchors: Tensor, *, label_mask: Tensor | None = None, valid: Tensor | None = None,
+                         logits: bool = True) -> BlockOutputs:
+    """ids [N, T], features [N, T, F] (the target's, for every position), anchors [N, A] with a + B <= T.
+
+    label_mask [N, T] bool (None: every token is a label) and valid [N, A] (None: every anchor is real)
+    give the outputs' `weights`; logits=False leaves the [N, A, L, V] logits to the chunked loss."""
     cfg = drafter.config
     N, T = ids.shape
     A, B = anchors.shape[1], cfg.block_size
@@ -93,55 +124,131 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     label_pos = positions.view(N, A, B)
     labels = ids.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
     prev = ids.gather(1, label_pos[:, :, :-1].reshape(N, -1)).view(N, A, B - 1)
-    return BlockOutputs(drafter.draft_logits(hidden, target), hidden, labels, prev)
+    weights = torch.ones(N, A, B - 1, device=ids.device)
+    if label_mask is not None:
+        weights = weights * label_mask.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
+    if valid is not None:
+        weights = weights * valid[:, :, None]
+    return BlockOutputs(hidden, labels, prev, weights, drafter.draft_logits(hidden, target) if logits else None)
 
 
-def position_weights(L: int, gamma: float | None, device=None) -> Tensor:
+def position_weights(L: int, gamma: float | None, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
     """w_k = exp(-(k-1)/γ) for k = 1..L (all ones when γ is None)."""
-    k = torch.arange(L, device=device, dtype=torch.float32)
-    return torch.ones(L, device=device) if gamma is None else torch.exp(-k / gamma)
+    k = torch.arange(L, device=device, dtype=dtype)
+    return torch.ones(L, device=device, dtype=dtype) if gamma is None else torch.exp(-k / gamma)
 
 
-def drafter_losses(drafter: DFlash2Drafter, out: BlockOutputs, *, gamma: float | None,
-                   soft_targets: Tensor | None = None, selector_alpha: float = 0.0) -> Losses:
-    """Backbone (soft) cross-entropy with position decay, plus α · teacher-forced K-way selector loss.
+class _RowwiseLoss(torch.autograd.Function):
+    """loss [M] = row_loss(hidden [M, H]) computed CHUNK rows at a time, for a row_loss in which row i's
+    loss depends on hidden[i] only (a cross-entropy through a frozen head). Each chunk's [CHUNK, V]
+    logits exist only inside the chunk: the gradient of the chunk's loss with respect to its rows is
+    taken in the forward pass and kept ([M, H]); backward scales it by the incoming gradient."""
 
-    soft_targets: [N, A, L, V] target probabilities for each drafted position, or None (hard labels).
-    """
-    N, A, L, V = out.logits.shape
-    logp = out.logits.float().log_softmax(-1)
-    if soft_targets is None:
-        per_pos = -logp.gather(-1, out.labels[..., None])[..., 0]  # [N, A, L]
-    else:
-        per_pos = -(soft_targets.float() * logp).sum(-1)
-    w = position_weights(L, gamma, out.logits.device)
-    backbone = (per_pos * w).sum() / (w.sum() * N * A)
+    @staticmethod
+    def forward(ctx, hidden: Tensor, row_loss, chunk: int) -> Tensor:
+        M = hidden.shape[0]
+        out = hidden.new_empty(M, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+        grad = torch.zeros_like(hidden) if hidden.requires_grad else None
+        for s in range(0, M, chunk):
+            h = hidden[s: s + chunk].detach().requires_grad_(grad is not None)
+            with torch.enable_grad():
+                loss = row_loss(h, slice(s, s + chunk))  # [m]
+                if grad is not None:
+                    (grad[s: s + chunk],) = torch.autograd.grad(loss.sum(), h)
+            out[s: s + chunk] = loss.detach()
+        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
+        return out
 
-    with torch.no_grad():
-        top1 = out.logits.argmax(-1) == out.labels  # [N, A, L]
-        K = drafter.config.selector_top_k
-        cand_ids = out.logits.topk(min(K, V), dim=-1).indices  # [N, A, L, K]
-        covered = (cand_ids == out.labels[..., None]).any(-1)
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * g[:, None].to(grad.dtype), None, None
+
+
+LOSS_CHUNK_ELEMENTS = 2**24  # logits alive at once in the loss: its memory bound (64 MB a tensor in float32)
+
+
+def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOutputs, *, gamma: float | None,
+                   target_hidden: Tensor | None = None, selector_alpha: float = 0.0,
+                   denominators: tuple[float, float] | None = None, chunk: int | None = None) -> Losses:
+    """Backbone (soft) cross-entropy with position decay, plus α · teacher-forced K-way selector loss,
+    computed `chunk` rows at a time: no [N, A, L, V] tensor (drafter or target side) is ever whole.
+
+    target_hidden [N, A, L, H_t]: the target's final hidden state at the position before each label
+    (soft targets: the target's distribution, from its own LM head, chunk by chunk), or None (hard
+    labels). The backbone loss is Σ w_k·m·ce / Σ w_k·m over the labels' weights m (`out.weights`),
+    the selector's Σ m·ce / Σ m; `denominators` (backbone, selector) replaces the two sums, so that
+    micro-batches of one step add up to the step's loss (gradient accumulation). `chunk` rows at a time
+    (None: as many as LOSS_CHUNK_ELEMENTS logits allow)."""
+    N, A, L, H = out.hidden.shape
+    if chunk is None:
+        chunk = max(1, LOSS_CHUNK_ELEMENTS // target.vocab_size)
+    K = drafter.config.selector_top_k
+    rows = out.hidden.reshape(-1, H)  # [M, H], M = N·A·L
+    labels = out.labels.reshape(-1)
+    t_rows = None if target_hidden is None else target_hidden.reshape(rows.shape[0], -1)
+    V = [0]
+    top1 = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    cand = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
+
+    def row_loss(h: Tensor, s: slice) -> Tensor:
+        logp = _wide(drafter.draft_logits(h, target)).log_softmax(-1)  # [m, V]
+        V[0] = logp.shape[-1]
+        with torch.no_grad():
+            top1[s] = logp.argmax(-1) == labels[s]
+            k = min(K, logp.shape[-1])
+            cand[s, :k] = logp.topk(k, dim=-1).indices
+        if t_rows is None:
+            return -logp.gather(-1, labels[s, None])[:, 0]
+        with torch.no_grad():
+            p = _wide(target.final_logits(t_rows[s])).softmax(-1)
+        return -(p * logp).sum(-1)
+
+    per_pos = _RowwiseLoss.apply(rows, row_loss, chunk).view(N, A, L)
+    m = out.weights.to(per_pos.dtype)
+    w = position_weights(L, gamma, rows.device, per_pos.dtype) * m
+    den_b, den_s = denominators if denominators is not None else (float(w.sum()), float(m.sum()))
+    backbone = (per_pos * w).sum() / max(den_b, 1e-12)
+    top1, cand = top1.view(N, A, L), cand.view(N, A, L, K)[..., : min(K, V[0])]
+    covered = (cand == out.labels[..., None]).any(-1)
+    count = max(float(m.sum()), 1e-12)
+    by_pos = (top1 * m).sum((0, 1)) / m.sum((0, 1)).clamp_min(1e-12)
     metrics: dict[str, float | list[float]] = {
-        "top1_acc": float(top1.float().mean()),
-        "top1_acc_by_pos": top1.float().mean((0, 1)).tolist(),
-        "topk_coverage": float(covered.float().mean()),
+        "top1_acc": float((top1 * m).sum()) / count,
+        "top1_acc_by_pos": by_pos.tolist(),
+        "topk_coverage": float((covered * m).sum()) / count,
+        "acceptance": float(accepted_lengths(top1, out.weights).sum()) / max(float(out.weights[..., 0].gt(0).sum()), 1.0),
+        "labels": float(m.sum()),
     }
-    selector = torch.zeros((), device=out.logits.device)
+    selector = torch.zeros((), device=rows.device)
     sel = drafter.candidate_selector
-    if isinstance(sel, CodebookSelector) and selector_alpha > 0:
+    if selector_alpha > 0 and sel.trains_on_candidates:
         # gold in the last slot where the top-K missed it (for the loss only)
-        cand = torch.where(covered[..., None], cand_ids, torch.cat([cand_ids[..., :-1], out.labels[..., None]], -1))
+        cand = torch.where(covered[..., None], cand, torch.cat([cand[..., :-1], out.labels[..., None]], -1))
         gold = (cand == out.labels[..., None]).float().argmax(-1)  # [N, A, L]
-        unary = out.logits.gather(-1, cand)
+        unary = drafter.candidate_logits(out.hidden, cand, target)  # [N, A, L, K], differentiable in hidden
         scores = unary + sel.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]  # [N, A, L, K]
-        selector = F.cross_entropy(scores.float().reshape(-1, scores.shape[-1]), gold.reshape(-1))
+        ce = F.cross_entropy(_wide(scores).reshape(-1, scores.shape[-1]), gold.reshape(-1), reduction="none")
+        selector = (ce * m.reshape(-1).to(ce.dtype)).sum() / max(den_s, 1e-12)
         with torch.no_grad():
             picked = scores.argmax(-1) == gold
-            metrics["selector_acc"] = float((picked & covered).float().mean())
+            metrics["selector_acc"] = float((picked & covered).float().mul(m).sum()) / count
     metrics["backbone_loss"] = float(backbone.detach())
     metrics["selector_loss"] = float(selector.detach())
     return Losses(backbone + selector_alpha * selector, backbone, selector, metrics)
+
+
+def _wide(x: Tensor) -> Tensor:
+    """Half-precision logits in float32 for the softmax; float32 and float64 as they are."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def accepted_lengths(top1: Tensor, weights: Tensor) -> Tensor:
+    """[N, A] tokens a greedy verifier would accept per block: 1 (the target's own token) plus the
+    drafted positions correct in a row from the first, counting labels with weight > 0 only (a block
+    that runs past the sequence or into a user turn stops there). 0 for padded anchors."""
+    run = torch.cumprod((top1 & (weights > 0)).to(torch.int64), dim=-1).sum(-1)
+    return (run + 1) * (weights[..., 0] > 0)
 
 
 def expected_tau_from_accuracy(acc_by_pos: list[float]) -> float:

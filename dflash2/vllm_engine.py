@@ -71,11 +71,13 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
              dtype: str = "float32", enforce_eager: bool = False, max_model_len: int = 2048,
              tokenizer: str | Path | None = None, llm_kwargs: dict[str, Any] | None = None,
              threads: int | None = None, timeout_s: float = 1800, top_k: int = 0, top_p: float = 1.0,
-             stop_token_ids: list[int] | None = None, repetitions: int = 1, per_prompt: bool = False) -> VLLMResult:
+             stop_token_ids: list[int] | None = None, repetitions: int = 1, per_prompt: bool = False,
+             seed: int = 0, warmup: bool = True) -> VLLMResult:
     """Generate up to `max_new_tokens` per prompt with vLLM in the interpreter `python` (EOS ignored
     unless `stop_token_ids` are given), `repetitions` times after an untimed warm-up; per_prompt
     submits one request at a time and times each (batch 1). Never raises for what vLLM does: a
-    refusal or crash comes back as `error`."""
+    refusal or crash comes back as `error`. `seed` seeds the engine's sampling; warmup=False skips the
+    warm-up (a regeneration, not a timing)."""
     python = Path(python)
     if not python.is_file():
         raise FileNotFoundError(f"no Python interpreter at {python} (the vllm_python of a venv with vLLM)")
@@ -84,7 +86,8 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
                max_new_tokens=max_new_tokens, drafter=local(drafter) if drafter else None,
                num_speculative_tokens=num_speculative_tokens, temperature=temperature, dtype=dtype,
                enforce_eager=enforce_eager, max_model_len=max_model_len, llm_kwargs=llm_kwargs or {}, top_k=top_k,
-               top_p=top_p, stop_token_ids=stop_token_ids or [], repetitions=repetitions, per_prompt=per_prompt)
+               top_p=top_p, stop_token_ids=stop_token_ids or [], repetitions=repetitions, per_prompt=per_prompt,
+               seed=seed, warmup=warmup)
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)

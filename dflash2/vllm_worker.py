@@ -51,7 +51,7 @@ def run(job: dict) -> dict:
     params = SamplingParams(temperature=float(job.get("temperature", 0.0)), top_k=int(job.get("top_k", 0)) or -1,
                             top_p=float(job.get("top_p", 1.0)), max_tokens=int(job["max_new_tokens"]),
                             ignore_eos=not job.get("stop_token_ids"), stop_token_ids=job.get("stop_token_ids") or None,
-                            seed=0)
+                            seed=int(job.get("seed", 0)))
     prompts = [{"prompt_token_ids": list(p)} for p in job["prompts"]]
     if job.get("warmup", True):  # compilation and first-call costs stay out of the timing
         llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False)

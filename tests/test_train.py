@@ -127,7 +127,10 @@ def accuracy(run: Path, target_dir: str, drafter_dir: Path | None) -> float:
     drafter = (DFlash2Drafter.from_pretrained(drafter_dir) if drafter_dir else
                DFlash2Drafter.from_target(target, block_size=4, mask_token_id=63, selector_top_k=4, selector_rank=8))
     adapter = TargetAdapter(target, drafter.target_layer_ids)
-    ids = load_checkpoint(run / "data.pt")["sequences"]
+    from dflash2.train_data import SequenceData
+
+    data = SequenceData(run / "data")
+    ids, _, _ = data.batch(range(len(data)), pad_id=0)
     with torch.no_grad():
         out = target(input_ids=ids, output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i + 1] for i in drafter.target_layer_ids], -1)
@@ -184,36 +187,40 @@ def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
     assert not all(torch.equal(final_state(tmp_path / "run")[k], stored[k]) for k in stored)
 
 
-def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path, monkeypatch):
-    import dflash2.train as train_module
+def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path):
+    from dflash2.train import regenerate
+    from dflash2.train_data import HFBackend, SequenceData
 
-    monkeypatch.setattr(train_module, "REGEN_CHUNK", 2)
-    monkeypatch.setattr(train_module, "REGEN_SAVE_EVERY", 1)
-    cfg = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8,
-                                                                        "data.temperature": 1.0}))
+    cfg = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8, "data.temperature": 1.0,
+                                                                       "data.shard_size": 2}))
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
-    recipe = {"any": "recipe"}
-    whole = train_module.regenerate(cfg, target, 64)
 
     class Interrupt(Exception):
         pass
 
-    calls, generate = [], target.generate
+    class DiesOnTheThirdShard(HFBackend):
+        calls = 0
 
-    def dies_on_the_third_chunk(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise Interrupt
-        return generate(*args, **kwargs)
+        def generate(self, *args, **kwargs):
+            DiesOnTheThirdShard.calls += 1
+            if DiesOnTheThirdShard.calls == 3:
+                raise Interrupt
+            return super().generate(*args, **kwargs)
 
-    partial = tmp_path / "data.pt.partial"
-    monkeypatch.setattr(target, "generate", dies_on_the_third_chunk)
+    def rows(directory):
+        data = SequenceData(directory)
+        return data.rows["input_ids"], data.rows["label_mask"]
+
+    whole = rows(regenerate(cfg, target, tmp_path / "whole", HFBackend(target, [], 0)))
+    backend = DiesOnTheThirdShard(target, [], 0)
     with pytest.raises(Interrupt):
-        train_module.regenerate(cfg, target, 64, partial, recipe)
-    assert len(load_checkpoint(partial)["chunks"]) == 2  # two chunks kept
+        regenerate(cfg, target, tmp_path / "partial", backend)
+    assert sorted(p.name for p in (tmp_path / "partial").glob("shard_*")) == ["shard_00000", "shard_00001"]
     torch.manual_seed(12345)  # whatever ran before must not matter
-    resumed = train_module.regenerate(cfg, target, 64, partial, recipe)
-    assert len(calls) == 2 + 1 + 2  # the resumed run generated only the missing chunks
-    assert torch.equal(resumed, whole)
-    other = train_module.regenerate(cfg, target, 64, partial, {"another": "recipe"})  # a stale partial is ignored
-    assert len(calls) == 5 + 4 and torch.equal(other, whole)
+    resumed = rows(regenerate(cfg, target, tmp_path / "partial", backend))
+    assert DiesOnTheThirdShard.calls == 2 + 1 + 2  # the resumed run generated only the missing shards
+    assert resumed == whole
+    assert all(m == [False] * 4 + [True] * 20 for m in whole[1])  # labels: the 20 regenerated tokens
+    other = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8, "data.shard_size": 2}))
+    with pytest.raises(ValueError, match="different data recipe.*temperature"):  # a complete dataset is never reused
+        regenerate(other, target, tmp_path / "partial", backend)

@@ -105,7 +105,7 @@ def test_losses_train_the_drafter_not_the_target():
     with torch.no_grad():
         feats = torch.cat([adapter.forward(ids[i:i + 1], adapter.new_cache()).features for i in range(2)])
     out = masked_block_forward(d, adapter, ids, feats, sample_anchors(2, 30, 5, 4, torch.Generator().manual_seed(0)))
-    losses = drafter_losses(d, out, gamma=4.0, selector_alpha=0.5)
+    losses = drafter_losses(d, adapter, out, gamma=4.0, selector_alpha=0.5)
     losses.total.backward()
     assert losses.selector > 0 and losses.backbone > 0
     grads = {n: p.grad for n, p in d.named_parameters()}
@@ -114,3 +114,111 @@ def test_losses_train_the_drafter_not_the_target():
     assert all(p.grad is None for p in target.parameters())
     m = losses.metrics
     assert len(m["top1_acc_by_pos"]) == 4 and 0 <= m["topk_coverage"] <= 1 and 0 <= m["selector_acc"] <= 1
+
+
+# -- the chunked loss: equal to the loss over whole [N, A, L, V] tensors ------------------------------
+def full_losses(d, adapter, out, target_logits, gamma, alpha):
+    """The loss as written before chunking (every logit materialised), with the label weights: the reference."""
+    logits = d.draft_logits(out.hidden, adapter)  # [N, A, L, V]
+    logp = logits.log_softmax(-1)
+    if target_logits is None:
+        per_pos = -logp.gather(-1, out.labels[..., None])[..., 0]
+    else:
+        per_pos = -(target_logits.softmax(-1) * logp).sum(-1)
+    L = logits.shape[2]
+    w = torch.exp(-torch.arange(L, dtype=logits.dtype) / gamma) * out.weights
+    backbone = (per_pos * w).sum() / w.sum()
+    K = d.config.selector_top_k
+    cand = logits.topk(K, dim=-1).indices
+    covered = (cand == out.labels[..., None]).any(-1)
+    cand = torch.where(covered[..., None], cand, torch.cat([cand[..., :-1], out.labels[..., None]], -1))
+    gold = (cand == out.labels[..., None]).double().argmax(-1)
+    scores = logits.gather(-1, cand) + d.candidate_selector.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]
+    ce = torch.nn.functional.cross_entropy(scores.reshape(-1, K), gold.reshape(-1), reduction="none")
+    selector = (ce * out.weights.reshape(-1)).sum() / out.weights.sum()
+    return backbone + alpha * selector
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft_targets"])
+@pytest.mark.parametrize("options", [{}, REFERENCE_OPTIONS], ids=["plain", "reference_options"])
+def test_chunked_loss_and_gradients_equal_the_full_loss(soft, options):
+    target = tiny_target("qwen3")
+    target.requires_grad_(False)
+    d = trained_looking_drafter(target, "two_tap", "walk", None, **options)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, MASK, (2, 30), generator=g)
+    label_mask = torch.rand(2, 30, generator=g) > 0.3  # holes: prompt and user tokens are no labels
+    lengths = torch.tensor([30, 9])
+    with torch.no_grad():
+        t_out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([t_out.hidden_states[i + 1] for i in d.target_layer_ids], dim=-1)
+    anchors, valid = training.sample_masked_anchors(label_mask, lengths, 5, 6, g)
+    assert not valid.all()  # the shorter row pads
+    results = []
+    for chunked in (True, False):
+        d.zero_grad()
+        out = masked_block_forward(d, adapter, ids, feats, anchors, label_mask=label_mask, valid=valid, logits=False)
+        N, A, L = out.labels.shape
+        pos = (anchors[:, :, None] + torch.arange(L)).reshape(N, -1)
+        t_hidden = t_out.hidden_states[-1].gather(1, pos[..., None].expand(-1, -1, 32)).view(N, A, L, -1) if soft else None
+        if chunked:  # 7 rows a chunk: chunks that cut across blocks and a ragged last one
+            total = drafter_losses(d, adapter, out, gamma=4.0, target_hidden=t_hidden, selector_alpha=0.5, chunk=7).total
+        else:
+            t_logits = t_out.logits.gather(1, pos[..., None].expand(-1, -1, t_out.logits.shape[-1])).view(N, A, L, -1)
+            total = full_losses(d, adapter, out, t_logits if soft else None, 4.0, 0.5)
+        total.backward()
+        results.append((total.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}))
+    (chunked_loss, chunked_grads), (full_loss, full_grads) = results
+    torch.testing.assert_close(chunked_loss, full_loss, rtol=0, atol=1e-10)
+    assert chunked_grads.keys() == full_grads.keys() and len(full_grads) > 5
+    for name in full_grads:
+        torch.testing.assert_close(chunked_grads[name], full_grads[name], rtol=0, atol=1e-10,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+def test_chunked_loss_catches_a_wrong_gradient(monkeypatch):
+    """Mutant: the backward forgets to scale by the incoming gradient (a loss weighted after the chunked
+    cross-entropy would then train with the wrong weights); the equality test must see it."""
+    def unscaled(ctx, g):
+        (grad,) = ctx.saved_tensors
+        return grad, None, None
+
+    target = tiny_target("qwen3")
+    d = trained_looking_drafter(target, "none", "argmax", None)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    ids = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        feats = torch.cat([target(input_ids=ids, output_hidden_states=True).hidden_states[i + 1]
+                           for i in d.target_layer_ids], -1)
+    out = masked_block_forward(d, adapter, ids, feats, torch.tensor([[3, 9]]), logits=False)
+    hidden = out.hidden.detach().requires_grad_()
+    grads = []
+    for patch in (False, True):
+        if patch:
+            monkeypatch.setattr(training._RowwiseLoss, "backward", staticmethod(unscaled))
+        h = hidden.clone()
+        loss = drafter_losses(d, adapter, out._replace(hidden=h), gamma=4.0, chunk=5).total
+        grads.append(torch.autograd.grad(loss, hidden)[0])
+    assert not torch.allclose(grads[0], grads[1])
+
+
+def test_masked_anchors_only_where_the_next_token_is_a_label():
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[0, 8:15] = True  # an answer at 8..14, then a user turn
+    mask[1, 3:20] = True
+    anchors, valid = training.sample_masked_anchors(mask, torch.tensor([15, 18]), 4, 50, torch.Generator().manual_seed(0))
+    for n, length in enumerate([15, 18]):
+        got = anchors[n][valid[n]].tolist()
+        want = [a for a in range(1, 20) if a + 1 < 20 and mask[n, a + 1] and a + 4 <= length]
+        assert got == want  # all of them (50 > available), sorted
+    none, valid = training.sample_masked_anchors(torch.zeros(1, 9, dtype=torch.bool), torch.tensor([9]), 4, 3,
+                                                 torch.Generator())
+    assert none.shape == (1, 1) and not valid.any()  # a row without labels trains nothing
+
+
+def test_accepted_lengths_stop_at_the_first_miss_or_masked_label():
+    top1 = torch.tensor([[[True, True, False, True], [True, True, True, True], [False, True, True, True]]])
+    weights = torch.tensor([[[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1.]]])
+    assert training.accepted_lengths(top1, weights).tolist() == [[3, 3, 1]]
+    assert training.accepted_lengths(top1, weights * 0).tolist() == [[0, 0, 0]]

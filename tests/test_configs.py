@@ -1,0 +1,35 @@
+"""Every YAML file under configs/ loads as what it is: a training run, a bench run, or a drafter diff."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from dflash2.bench import BenchConfig
+from dflash2.config import DFlash2Config
+from dflash2.overrides import load_yaml_with_overrides
+from dflash2.train import load_config
+
+CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
+
+
+def test_there_are_configs():
+    assert len(CONFIGS) > 20
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1] if p.parent.name != "configs" else p.parent)))
+def test_every_config_loads(path):
+    raw = load_yaml_with_overrides(path, [])
+    if path.parent.name == "bench":
+        unknown = set(raw) - {f.name for f in dataclasses.fields(BenchConfig)}
+        assert not unknown
+        BenchConfig(**raw)
+    elif "target" in raw:  # a training run: every key known, every value valid, the drafter fields too
+        cfg = load_config(path, [])
+        fields = {f.name for f in dataclasses.fields(DFlash2Config)}
+        assert set(cfg.drafter) <= fields, set(cfg.drafter) - fields
+    else:  # a drafter diff (python -m dflash2.generate --config ...)
+        fields = {f.name for f in dataclasses.fields(DFlash2Config)}
+        assert set(raw) <= fields, set(raw) - fields
