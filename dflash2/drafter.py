@@ -113,8 +113,9 @@ class DFlash2Drafter(nn.Module):
         """Read our directory format or the reference one; every tensor must fit, none may be missing.
 
         device="meta": the drafter its config.json describes, with no weights read (parameter names
-        and shapes of a checkpoint of any size, without allocating it)."""
-        directory = Path(directory)
+        and shapes of a checkpoint of any size, without allocating it). A hub id (owner/name) that is
+        not a local directory is read from the Hugging Face cache, or downloaded when the hub is reachable."""
+        directory = _local_directory(directory)
         meta_only = device is not None and torch.device(device).type == "meta"
         for name in (CONFIG_NAME,) if meta_only else (CONFIG_NAME, WEIGHTS_NAME):
             if not (directory / name).is_file():
@@ -350,6 +351,21 @@ class DFlash2Drafter(nn.Module):
         keys = torch.arange(cache.length - cache.keys[0].shape[2], cache.length + B, device=device)  # kept context, block
         x = self.embed_block(ids, target)  # [1, B, H]
         return self.backbone(x, positions, list(zip(cache.keys, cache.values)), rows=rows, key_positions=keys)
+
+
+def _local_directory(name: str | Path) -> Path:
+    """`name` itself when it exists; else, for a hub id, its snapshot (cached, or fetched)."""
+    path = Path(name)
+    text = str(name)
+    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
+    except Exception as error:  # offline and not cached, a typo, a gated repo: one line
+        raise FileNotFoundError(f"{text}: no such directory, and not a hub id in the cache or on the hub "
+                                f"({type(error).__name__})") from None
 
 
 def _check_draft_vocab(ids: Tensor, vocab_size: int, top_k: int) -> None:

@@ -1,9 +1,10 @@
 """`python -m dflash2.generate`: watch speculative decoding commit tokens, one round at a time.
 
-With no model flags it runs the embedded pair shipped in the package (`--variant dflash2|dflash1`);
-while that is not shipped, a tiny *randomly initialised* target and drafter built in memory, which
-says so (expect τ ≈ 1 there: the point is the loop, not the drafts).
-With `--target` and `--drafter` (local directories or hub ids) it runs real models.
+With no model flags it runs the embedded pair shipped in the package (`--variant dflash2|dflash1`):
+a 5.8M-parameter code model trained on the Python standard library (its text repeats itself; the
+point is to watch the drafts being accepted). `--config` builds a tiny *randomly initialised* pair
+instead, which says so (expect τ ≈ 1 there). With `--target` and `--drafter` (local directories or
+hub ids) it runs real models.
 
 Accepted draft tokens are shown in green, tokens the target produced itself in the default colour.
 Bad flags, missing paths or a pair that does not fit print one line on stderr and exit with code 2.
@@ -28,7 +29,7 @@ from .sampling import SamplingParams
 GREEN, RESET = "\033[32m", "\033[0m"
 COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
 # The embedded target knows the standard library's style: a signature and a docstring, as in its
-# training data (the default was `def fibonacci(n):` until 2026-11-30: τ 1.24, 0.49x AR on this pair).
+# training data (a bare `def fibonacci(n):` gets few accepted drafts: docs/results.md).
 DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(top, suffix=".py"):\n    """Yield the path of every file under *top* whose name ends with *suffix*."""\n'
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,33 +44,39 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m dflash2.generate", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog="python -m dflash2.generate", description=__doc__.split("\n\n")[0],
+                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
     p.add_argument("--target", help="HF causal LM: local directory or hub id (needs --drafter)")
-    p.add_argument("--drafter", help="DFlash2Drafter directory written by save_pretrained")
+    p.add_argument("--drafter", help="drafter directory (ours or the published format) or hub id (needs --target)")
     p.add_argument("--variant", choices=embedded.VARIANTS, default="dflash2", help="embedded drafter to run")
-    p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields for a random demo drafter")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--block-size", type=int, help="override the drafter's block size")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields: a random demo pair instead of the embedded one")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
+    p.add_argument("--block-size", type=int,
+                   help="draft this many positions per round (at most the drafter's trained block size); "
+                        "default: the drafter's")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0: off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0: off")
+    p.add_argument("--seed", type=int, default=0, help="of the sampling")
     p.add_argument("--verify", choices=("path", "tree"), default="path",
                    help="verify the selector's path, or a token tree from the drafter's lattice")
-    p.add_argument("--tree-nodes", type=int, default=32, help="draft nodes per round with --verify tree")
+    p.add_argument("--tree-nodes", type=int, default=15, help="draft nodes per round with --verify tree")
     p.add_argument("--compare-ar", action="store_true",
                    help="also decode with plain AR and report the speedup (both timed without streaming, "
                         "interleaved, median of 3 runs) and, when greedy, whether the outputs are identical")
     p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template to the prompt")
     p.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --chat: enable_thinking for templates that support it (Qwen3-style)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default=None)
+                   help="with --chat: enable_thinking for templates that support it (Qwen3-style); "
+                        "default: the template's own")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="of the target (and the drafter); default: float32 for the embedded pair, the drafter's for --target")
     p.add_argument("--drafter-dtype", choices=sorted(DTYPES), default=None,
                    help="run the drafter in this dtype (the target keeps --dtype: the output is the same), "
                         "e.g. bfloat16 on CPUs with native bfloat16")
-    p.add_argument("--color", choices=("auto", "always", "never"), default="auto")
+    p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
+                   help="green accepted draft tokens (auto: when stdout is a terminal)")
     return p
 
 
@@ -98,6 +105,16 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--block-size must be >= 1, got {args.block_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: CUDA is not available on this machine")
+    if not args.prompt:
+        raise UsageError("--prompt is empty")
+    for flag in ("target", "drafter"):
+        where = getattr(args, flag)
+        if where and not Path(where).expanduser().is_dir() and not looks_like_hub_id(where):
+            raise UsageError(f"--{flag} {where}: no such directory (and not a hub id of the form owner/name)")
+    if not sys.stderr.isatty():  # no "Loading weights" bars in logs and pipes
+        import transformers
+
+        transformers.utils.logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype] if args.dtype else None
     if args.target:
@@ -107,10 +124,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         encode, decode, target, drafter = random_demo_pair(args, dtype or torch.float32)
     if args.block_size is not None:
+        trained = drafter.config.block_size
+        if args.block_size > trained and args.config is None:
+            raise UsageError(f"--block-size {args.block_size}: this drafter was trained with blocks of {trained}; "
+                             f"it drafts at most that many positions per round")
         drafter = drafter.with_config(block_size=args.block_size)
     if args.drafter_dtype:
         drafter = drafter.to(DTYPES[args.drafter_dtype])
     prompt_ids = encode(args.prompt).to(args.device)
+    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    if limit is not None and prompt_ids.shape[1] + args.max_new_tokens > limit:
+        raise UsageError(f"the prompt ({prompt_ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) "
+                         f"exceeds the target's {limit} positions")
 
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
 
@@ -125,8 +150,9 @@ def run(args: argparse.Namespace) -> int:
     spec = spec_generate(drafter, target, prompt_ids, on_commit=show, verify=args.verify, tree_nodes=args.tree_nodes,
                          generator=torch.Generator(device=args.device).manual_seed(args.seed), **sampling)
     n = spec.new_tokens.numel()
-    print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s"
-          f" ({'green: accepted draft tokens' if color else 'block size ' + str(drafter.config.block_size)})")
+    mode = f"verify {args.verify}" + (f" ({args.tree_nodes} nodes)" if args.verify == "tree" else "")
+    print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s; "
+          f"block size {drafter.config.block_size}, {mode}" + (" (green: accepted draft tokens)" if color else ""))
     if args.compare_ar:  # timed apart from the streamed run (printing costs time): interleaved, median
         def seed() -> torch.Generator:
             return torch.Generator(device=args.device).manual_seed(args.seed)
@@ -156,8 +182,9 @@ def random_demo_pair(args, dtype: torch.dtype):
     """A tiny random Qwen3 target over bytes and a random drafter: shows the loop, not real drafting."""
     import transformers
 
-    print("note: no --target given; using a tiny randomly initialised model pair (the trained embedded pair "
-          "is not shipped yet), so drafts are rarely accepted (τ ≈ 1).\n", file=sys.stderr)
+    why = "--config builds" if args.config else "the embedded pair is not in this installation, so this is"
+    print(f"note: {why} a tiny randomly initialised model pair: drafts are rarely accepted (τ ≈ 1).\n",
+          file=sys.stderr)
     vocab = 260  # 256 bytes + 4 specials; the mask token is the last id
     config = transformers.Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -194,7 +221,8 @@ def _text_codec(tokenizer, args):
     def encode(text: str) -> torch.Tensor:
         if args.chat:
             if not getattr(tokenizer, "chat_template", None):
-                raise UsageError(f"--chat: the tokenizer of {args.target} has no chat template")
+                raise UsageError(f"--chat: the tokenizer of {getattr(args, 'target', None) or 'the embedded pair'} "
+                                 "has no chat template")
             extra = {}
             if args.thinking is not None:
                 if "enable_thinking" in str(tokenizer.chat_template):
@@ -217,6 +245,13 @@ def load_config_fields(path: Path) -> dict:
     if unknown:
         raise UsageError(f"--config {path}: unknown DFlash2Config fields {unknown}")
     return fields  # values are validated when the drafter is built
+
+
+def looks_like_hub_id(name: str) -> bool:
+    """owner/name (or a bare name) as the hub spells it: not a path that merely does not exist."""
+    import re
+
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and not name.startswith(".")
 
 
 def stop_ids(target) -> list[int] | None:

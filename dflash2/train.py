@@ -251,7 +251,10 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
             backend = td.HFBackend(target, eos_ids, pad_id, d.regen_batch)
     what = f"{len(jobs)} conversations of {d.dataset}" if d.dataset else f"{len(jobs)} prompts"
     log(f"data: regenerating {what} with the {d.backend} backend into {directory}")
-    bar = tqdm(total=len(jobs), desc="data", unit="seq", file=sys.stderr)
+    answers = [len(c.turns) for c in jobs] if d.dataset is not None else [1] * len(jobs)  # generate calls' rows
+    bar = tqdm(total=sum(answers), desc="data", unit="answer", file=sys.stderr)
+    if hasattr(backend, "progress"):
+        backend.progress = bar.update
 
     def make_shard(i: int, shard: list):
         seed = cfg.seed * 1_000_003 + i  # this shard's draws, whatever ran before
@@ -259,13 +262,14 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
             out = td.chat_shard(backend, tokenizer, shard, sampling, seed, d.max_length, d.enable_thinking)
         else:
             out = td.fixed_shard(backend, shard, d.new_tokens, sampling, seed)
-        bar.update(len(shard))
+        bar.n = sum(answers[: (i + 1) * d.shard_size])  # whatever the backend reported (a test backend may not)
+        bar.refresh()
         return out
 
     recipe = data_recipe(cfg)
     done_before = sum(1 for p in directory.glob("shard_*") if p.is_dir()) if directory.is_dir() else 0
     if done_before and not (directory / "complete.json").is_file():
-        bar.update(min(len(jobs), done_before * d.shard_size))
+        bar.update(sum(answers[: done_before * d.shard_size]))
         log(f"data: resuming after {done_before} written shards")
     try:
         return td.build(directory, recipe, jobs, d.shard_size, make_shard)

@@ -96,15 +96,16 @@ ROLES = {"user": "user", "human": "user", "system": "system", "assistant": "assi
 def parse_row(row: dict[str, Any], index: int = 0) -> Conversation:
     """One dataset row → Conversation: `messages` / `conversations` (roles), `turns` (user texts), or
     Alpaca's `instruction` (+ `input` after a blank line; CodeAlpaca, tatsu-lab/alpaca)."""
+    row = {k: v for k, v in row.items() if v is not None}  # a file of mixed shapes: datasets fills in None
     if isinstance(row.get("instruction"), str) and "messages" not in row and "turns" not in row:
         extra = row.get("input") or ""
         return Conversation(None, [row["instruction"] + (f"\n\n{extra}" if extra.strip() else "")])
-    if "turns" in row and row["turns"] is not None:
+    if "turns" in row:
         turns = row["turns"]
         if isinstance(turns, str) or not all(isinstance(t, str) for t in turns):
             raise ValueError(f"row {index}: `turns` must be a list of strings")
         return Conversation(None, [t for t in turns if t.strip()])
-    messages = row.get("messages") if row.get("messages") is not None else row.get("conversations")
+    messages = row.get("messages", row.get("conversations"))
     if messages is None:
         raise ValueError(f"row {index} has neither `messages`, `conversations` nor `turns` (keys: {sorted(row)})")
     system, turns = None, []
@@ -155,6 +156,7 @@ class HFBackend:
 
     def __init__(self, model, eos_ids: list[int], pad_id: int, batch: int = 32) -> None:
         self.model, self.eos_ids, self.pad_id, self.batch = model, eos_ids, pad_id, batch
+        self.progress: Callable[[int], Any] | None = None  # called with the rows of every finished batch
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
@@ -184,6 +186,8 @@ class HFBackend:
             for j, i in enumerate(rows):
                 new = seq[j, width:].tolist()
                 out[i] = _until_eos(new, self.eos_ids) if s.stop_at_eos else new
+            if self.progress is not None:
+                self.progress(len(rows))
         return out
 
 
@@ -195,6 +199,7 @@ class VLLMBackend:
                  max_model_len: int, tensor_parallel_size: int = 1) -> None:
         self.python, self.target, self.tokenizer, self.eos_ids = python, target, tokenizer, eos_ids
         self.dtype, self.max_model_len, self.tp = dtype, max_model_len, tensor_parallel_size
+        self.progress: Callable[[int], Any] | None = None  # called with the rows of every finished call
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
         from .vllm_engine import run_vllm
@@ -206,6 +211,8 @@ class VLLMBackend:
                           warmup=False, llm_kwargs={"tensor_parallel_size": self.tp} if self.tp > 1 else None)
         if result.error:
             raise RuntimeError(f"vLLM regeneration failed: {result.error}\n{result.log_tail[-2000:]}")
+        if self.progress is not None:
+            self.progress(len(prompts))
         return [_until_eos(o, self.eos_ids) if s.stop_at_eos else o for o in result.outputs]
 
 

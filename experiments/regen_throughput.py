@@ -76,7 +76,7 @@ def main() -> int:
             print(json.dumps(rows[-1]), flush=True)
     load = monitor.record()
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = dict(prompts=len(prompts), new_tokens=args.new_tokens, threads=args.threads, torch=torch.__version__,
+    meta = dict(prompts=len(prompts), new_tokens=args.new_tokens, torch=torch.__version__,
                 **load)
     (args.out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     print(json.dumps(meta))

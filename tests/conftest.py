@@ -1,8 +1,21 @@
-"""Hypothesis profiles: `ci` (default; derandomized, fast) and `deep` (HYPOTHESIS_PROFILE=deep)."""
+"""Hypothesis profiles: `ci` (default; derandomized, fast) and `deep` (HYPOTHESIS_PROFILE=deep); one
+thread per test process.
+
+The suite sets its own thread count, so that its time does not depend on the machine's load: with one
+OpenMP thread per core, a 2-core machine whose other core is busy makes every small matmul wait for
+it (docs/testing.md). DFLASH2_TEST_THREADS overrides it; subprocesses started by the tests inherit
+it through OMP_NUM_THREADS.
+"""
 
 import os
 
-from hypothesis import HealthCheck, settings
+THREADS = os.environ.get("DFLASH2_TEST_THREADS", "1")
+os.environ["OMP_NUM_THREADS"] = THREADS  # before torch is imported, for this process and its children
+
+import torch  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+torch.set_num_threads(int(THREADS))
 
 settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

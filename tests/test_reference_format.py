@@ -104,3 +104,23 @@ def test_no_reference_form_for_mixed_ablations(tmp_path):
         d.save_pretrained(tmp_path, format="reference")
     with pytest.raises(ValueError, match="format"):
         d.save_pretrained(tmp_path, format="sglang")
+
+
+def test_a_hub_id_loads_from_the_cache(tmp_path, monkeypatch):
+    """A drafter named by its hub id is read from the Hugging Face cache (here offline)."""
+    import huggingface_hub
+
+    from dflash2 import DFlash2Drafter
+    from tests.helpers import MASK, tiny_target
+
+    drafter = DFlash2Drafter.from_target(tiny_target("qwen3"), block_size=4, mask_token_id=MASK)
+    snapshot = tmp_path / "models--someone--tiny-dflash" / "snapshots" / ("a" * 40)
+    drafter.save_pretrained(snapshot, format="reference")
+    (tmp_path / "models--someone--tiny-dflash" / "refs").mkdir()
+    (tmp_path / "models--someone--tiny-dflash" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = DFlash2Drafter.from_pretrained("someone/tiny-dflash")
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
+    with pytest.raises(FileNotFoundError, match="not a hub id in the cache"):
+        DFlash2Drafter.from_pretrained("someone/not-cached")

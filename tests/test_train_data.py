@@ -34,6 +34,7 @@ CONVERSATIONS = [
     {"turns": ["Read a CSV file."]},
     {"conversations": [{"from": "human", "value": "Sort a dict by value."}, {"from": "gpt", "value": "x"}]},
     {"messages": [{"role": "user", "content": "Open a socket."}]},
+    {"instruction": "Write a retry decorator.", "input": "", "output": "dropped"},  # Alpaca, in the same file
 ]
 
 
@@ -91,7 +92,7 @@ def test_conversations_load_from_jsonl_json_and_parquet(conversations_file, tmp_
         monkeypatch.setattr(module, "HF_HUB_OFFLINE", True)
 
     want = load_conversations(str(conversations_file), system_prompt="Be brief.")
-    assert len(want) == 6 and want[1].system == "Be brief." and want[0].system == "You write Python."
+    assert len(want) == 7 and want[1].system == "Be brief." and want[0].system == "You write Python."
     rows = [{"turns": t.turns} for t in want]
     (tmp_path / "c.json").write_text(json.dumps(rows))
     datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "c.parquet"))
@@ -99,7 +100,7 @@ def test_conversations_load_from_jsonl_json_and_parquet(conversations_file, tmp_
         assert [c.turns for c in load_conversations(str(tmp_path / name))] == [c.turns for c in want]
     assert len(load_conversations(str(conversations_file), limit=2)) == 2
     both = load_conversations([str(conversations_file), str(tmp_path / "c.json")], limit=8)  # sources in order
-    assert [c.turns for c in both] == [c.turns for c in want] + [c.turns for c in want[:2]]
+    assert [c.turns for c in both] == [c.turns for c in want] + [c.turns for c in want[:1]]
     with pytest.raises(FileNotFoundError, match="no such dataset file"):
         load_conversations(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="cannot load the dataset"):
@@ -135,7 +136,7 @@ def test_chat_data_labels_only_the_regenerated_answers(chat_target, conversation
     run.load_data()
     tok = transformers.AutoTokenizer.from_pretrained(chat_target)
     data = SequenceData(tmp_path / "run" / "data")
-    assert len(data) == 6 and (tmp_path / "run" / "data" / "complete.json").is_file()
+    assert len(data) == 7 and (tmp_path / "run" / "data" / "complete.json").is_file()
     convs = load_conversations(str(conversations_file))
     for conv, ids, mask in zip(convs, data.rows["input_ids"], data.rows["label_mask"]):
         start = mask.index(True)
@@ -150,14 +151,14 @@ def test_chat_data_labels_only_the_regenerated_answers(chat_target, conversation
             first = prompt.split("# assistant:\n")[1].split("<|endoftext|>")[0]
             assert first and "dropped" not in prompt and f"# user: {conv.turns[1]}" in prompt
         assert ids[:start] == render(tok, conv, [first] if len(conv.turns) == 2 else [], None)
-    ids, lengths, label_mask = data.batch(range(6), PAD)
+    ids, lengths, label_mask = data.batch(range(7), PAD)
     anchors, valid = sample_masked_anchors(label_mask, lengths, 4, 50, torch.Generator().manual_seed(0))
     with torch.no_grad():
         out = run.adapter.model(input_ids=ids, output_hidden_states=True)
         feats = torch.cat([out.hidden_states[i + 1] for i in run.drafter.target_layer_ids], -1)
         blocks = masked_block_forward(run.drafter, run.adapter, ids, feats, anchors, label_mask=label_mask,
                                       valid=valid, logits=False)
-    for n in range(6):
+    for n in range(7):
         for j in valid[n].nonzero()[:, 0].tolist():
             a = int(anchors[n, j])
             assert label_mask[n, a + 1] and a + 4 <= lengths[n]  # an anchor's first label is an answer token
@@ -267,8 +268,8 @@ def test_held_out_tau_is_logged_and_held_out_sequences_are_never_trained(chat_ta
     taus = [r["heldout_tau"] for r in log if "heldout_tau" in r]
     assert len(taus) == 2 and all(1.0 <= t <= 4.0 for t in taus)
     assert all(r["tokens_per_s"] > 0 and r["anchors_per_s"] > 0 for r in log)
-    seen = torch.cat([batch_indices(s, cfg, 6 - 2, 0, 1) for s in range(100)])
-    assert int(seen.max()) < 4  # sequences 4 and 5 are the held-out ones
+    seen = torch.cat([batch_indices(s, cfg, 7 - 2, 0, 1) for s in range(100)])
+    assert int(seen.max()) < 5  # sequences 5 and 6 are the held-out ones
 
 
 def test_fsdp_two_processes_keep_the_result_of_ddp(chat_target, conversations_file, tmp_path):
@@ -308,7 +309,7 @@ def test_the_vllm_backend_regenerates_what_the_hf_backend_does(chat_target, conv
     for backend in ("hf", "vllm"):
         cfg = load_config(None, chat_overrides(chat_target, conversations_file, tmp_path / backend,
                                                **{"data.backend": backend, "data.vllm_python": vllm_python(),
-                                                  "data.shard_size": 6}))
+                                                  "data.shard_size": 7}))
         target = transformers.AutoModelForCausalLM.from_pretrained(chat_target).eval()
         data = SequenceData(regenerate(cfg, target, tmp_path / backend / "data"))
         rows[backend] = data.rows["input_ids"], data.rows["label_mask"]
