@@ -272,9 +272,8 @@ class BlockDiffusionBackbone(nn.Module):
         rows = torch.cat(features, dim=1)  # [1, Σn, F]
         # A half-precision drafter on CPU: zero rows pad the new positions to a multiple of the block size,
         # so the projections see a few fixed shapes (a round adds 1..B positions): oneDNN sets up its
-        # half-precision matmul again when the shape changes (108 µs against 25 µs per call measured on
-        # 2026-11-30; about 2% of the draft time in the loop on 2026-12-01). Callers drop the pad rows.
-        # Float32 (MKL) has no such cost and is left as is.
+        # half-precision matmul again whenever the shape changes (docs/architecture.md, "Performance
+        # choices"). Callers drop the pad rows. Float32 (MKL) has no such cost and is left as is.
         half = self.fc.weight.dtype in (torch.bfloat16, torch.float16) and self.fc.weight.device.type == "cpu"
         pad = -rows.shape[1] % self.config.block_size if half else 0
         if pad:

@@ -33,7 +33,7 @@ through `StaticTarget` (the model's layers over a preallocated cache, torch.comp
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so
 the committed tokens are the same; a half-precision drafter only moves fewer bytes (fast on CPUs with
-native bfloat16, such as AVX512-BF16; 5-8x slower matmuls without it, measured on an AVX2 CPU).
+native bfloat16, such as AVX512-BF16; far slower matmuls without it: docs/architecture.md, "Performance choices").
 `auto` is bfloat16 on a CPU with native bfloat16 matmuls (or on CUDA), float32 otherwise. The
 machine's CPU (vector extension, native bfloat16 or not) is written next to every table.
 

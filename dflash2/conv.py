@@ -1,4 +1,4 @@
-"""Two-tap dynamic convolution around a sublayer (DFlash 2, design doc section 3).
+"""Two-tap dynamic convolution around a sublayer (DFlash 2; docs/architecture.md, "Data flow of one round").
 
 For block positions i (length B), hidden H, channel groups of size g:
 
@@ -45,7 +45,7 @@ class TwoTapDynamicConv(nn.Module):
         N, T, _ = h.shape
         delta = self.kernel_projection(h).view(N, T, 2, self.taps, self.num_groups, 1)  # one δ per channel group
         base = self.base_kernel.to(h.dtype).view(2, self.taps, self.num_groups, self.group_size)
-        if h.dtype in (torch.bfloat16, torch.float16):  # CPU adds half precision 2× faster without the broadcast
+        if h.dtype in (torch.bfloat16, torch.float16):  # CPU half-precision adds are faster without the broadcast
             delta = delta.expand(N, T, 2, self.taps, self.num_groups, self.group_size).contiguous()
         kernel = (base + delta).view(N, T, 2, self.taps, -1)  # [N, T, 2, taps, H]
         return kernel[:, :, 0], kernel[:, :, 1]

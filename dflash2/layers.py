@@ -138,7 +138,7 @@ def _flash_attn_func():
 
 def as_rows(x: Tensor) -> Tensor:
     """x [..., H] → [n, H] with plain row-major strides. A slice such as hidden[:, 1:] keeps its
-    parent's strides, and oneDNN's half-precision matmul runs such 3-d inputs 9–40× slower than the
-    same rows as a 2-d matrix (measured: 6.2 ms against 0.16 ms for [8, 7, 256] @ [256, 4096] in
-    bfloat16 on an AVX512-BF16 CPU); reshaping copies only when the rows are not already evenly spaced."""
+    parent's strides, and oneDNN's half-precision matmul runs such 3-d inputs far slower than the
+    same rows as a 2-d matrix (docs/architecture.md, "Performance choices"); reshaping copies only
+    when the rows are not already evenly spaced."""
     return x.reshape(-1, x.shape[-1])

@@ -1,4 +1,4 @@
-"""Path selectors over the B×K candidate lattice (DFlash 2, design doc section 3).
+"""Path selectors over the B×K candidate lattice (DFlash 2; docs/architecture.md, "Scores of the path selector").
 
 Edge score from predecessor token a to candidate b at draft position t:
 
@@ -14,7 +14,7 @@ hidden state at t. The path starts from the anchor. Variants, chosen by `config.
              is trained as a chain of K-way softmaxes over successors (teacher-forced), so a path's
              probability is Π_t softmax(S_t(a_{t-1}, ·))[a_t]: Viterbi maximises the sum of those
              log-softmaxes. (The sum of raw scores S would ignore each step's normaliser, which
-             depends on the predecessor; on the embedded pair that cost 0.4 τ against the walk.)
+             depends on the predecessor: docs/architecture.md, "Scores of the path selector".)
 
 P is zero at init, so every selector starts as argmax and learns to deviate.
 """

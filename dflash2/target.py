@@ -25,7 +25,7 @@ tokens in the recurrent state). `forward` therefore snapshots every layer's stat
 K/V by reference (a DynamicLayer only ever concatenates, never writes in place), everything else by
 copy; `rollback` after a partial acceptance restores the snapshot and replays the kept tokens.
 The cost is one state copy per round and one extra forward of the kept tokens per partially
-accepted round (measured in docs/hybrid-targets.md).
+accepted round (docs/hybrid-targets.md).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "j
                                    "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 # The first transformers release whose hybrid models (Qwen3.5) run with our snapshot/replay rollback:
 # 5.3.0 fails inside the model (its cache lacks `has_previous_state`), 5.5.4 and 5.6.2 give wrong greedy
-# tokens without an error, 5.7.0 .. 5.24.0 pass tests/test_hybrid_targets.py (measured 2026-12-01).
+# tokens without an error, 5.7.0 .. 5.24.0 pass tests/test_hybrid_targets.py (docs/compatibility.md).
 HYBRID_MIN_TRANSFORMERS = (5, 7)
 
 

@@ -3,10 +3,8 @@
 transformers' "sdpa" attention hands grouped-query heads to PyTorch's kernel as they are only when
 there is no mask or a single query. With a mask and several queries, which is every tree and every
 batched pass, it first copies each key/value head out to its group of query heads (`repeat_kv`):
-the whole cache, every layer, every pass. On the embedded pair at 8 rows in flight with 7-node
-trees those copies were 16% of the profiled operator time, and going without them made the whole
-decode 6% faster (2.80 s → 2.63 s, interleaved in one process, 2026-12-01; part of the copy's cost
-moves to the cache's own allocations). On CPU, PyTorch's SDPA takes the mask and the grouped heads
+the whole cache, every layer, every pass (what that costs: docs/architecture.md, "Performance
+choices"). On CPU, PyTorch's SDPA takes the mask and the grouped heads
 together (`enable_gqa`, torch >= 2.5), so the copy is not needed.
 On CUDA a mask with `enable_gqa` falls back to the slow math kernel, so CUDA keeps transformers' path.
 

@@ -8,9 +8,7 @@ same buffer; code that assigns new tensors (dropping rows or slots, appending ro
 next update start a new buffer from them. In-place writes into the view (`TargetAdapter.keep_block`)
 land in the buffer.
 
-Measured on the embedded target (2026-12-01, 8 rows, 500 cached slots, medians of 100): a 64-token
-verify pass 13.3 ms → 10.3 ms, a one-token AR step 6.5 ms → 5.7 ms. In whole decodes (interleaved)
-plain decoding got 3% (8 rows) to 7% (batch 1) faster and speculative decoding about the same.
+What it saves is in docs/architecture.md, "Performance choices".
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lossless verification of a token tree (several lattice paths at once; design doc section 5).
+"""Lossless verification of a token tree (several lattice paths at once; docs/architecture.md, "Tree verification").
 
 A `TokenTree` holds M draft nodes below the anchor. The target scores every node in one pass, giving
 logits [M+1, V]: row 0 after the anchor, row i+1 after node i's path. The verifier walks down from

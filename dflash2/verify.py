@@ -1,4 +1,4 @@
-"""Lossless verification of one drafted block (design doc section 5).
+"""Lossless verification of one drafted block (docs/architecture.md, "Contracts"; docs/testing.md §1–§3).
 
 Pure functions of the draft, the target's logits and a random source; no model in sight. The rules:
 

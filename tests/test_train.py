@@ -224,3 +224,18 @@ def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path):
     other = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8, "data.shard_size": 2}))
     with pytest.raises(ValueError, match="different data recipe.*temperature"):  # a complete dataset is never reused
         regenerate(other, target, tmp_path / "partial", backend)
+
+
+def test_help_lists_every_config_key_with_its_default():
+    out = subprocess.run([sys.executable, "-m", "dflash2.train", "--help"], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0
+    import dataclasses
+
+    from dflash2.train import DataConfig
+
+    for f in dataclasses.fields(TrainConfig):
+        if f.name != "data":
+            assert f"\n  {f.name} = " in out.stdout, f.name
+    for f in dataclasses.fields(DataConfig):
+        assert f"\n  data.{f.name} = " in out.stdout, f.name
+    assert "  data.backend = 'hf'  (who regenerates" in out.stdout  # with the comment beside the field

@@ -222,3 +222,34 @@ def test_accepted_lengths_stop_at_the_first_miss_or_masked_label():
     weights = torch.tensor([[[1, 1, 1, 1], [1, 1, 0, 1], [1, 1, 1, 1.]]])
     assert training.accepted_lengths(top1, weights).tolist() == [[3, 3, 1]]
     assert training.accepted_lengths(top1, weights * 0).tolist() == [[0, 0, 0]]
+
+
+def test_training_forward_equals_inference_forward_with_padding():
+    """Two sequences of different lengths, right-padded into one batch, with a label mask: every real
+    anchor's block logits equal the inference drafter's on the unpadded sequence."""
+    target = tiny_target("qwen3")
+    d = trained_looking_drafter(target, "two_tap", "walk", None)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    g = torch.Generator().manual_seed(6)
+    lengths = [24, 15]
+    rows = [torch.randint(0, MASK, (1, n), generator=g) for n in lengths]
+    ids = torch.full((2, 24), 7)  # pad id 7: a real token, so that padding would show if it leaked
+    label_mask = torch.zeros(2, 24, dtype=torch.bool)
+    for n, r in enumerate(rows):
+        ids[n, : r.shape[1]] = r[0]
+        label_mask[n, 5: r.shape[1]] = True  # a 5-token prompt, then the answer
+    attention = (torch.arange(24)[None] < torch.tensor(lengths)[:, None]).long()
+    with torch.no_grad():
+        out = target(input_ids=ids, attention_mask=attention, output_hidden_states=True)
+        feats = torch.cat([out.hidden_states[i + 1] for i in d.target_layer_ids], -1)
+        anchors, valid = training.sample_masked_anchors(label_mask, torch.tensor(lengths), 5, 20, g)
+        blocks = masked_block_forward(d, adapter, ids, feats, anchors, label_mask=label_mask, valid=valid)
+        checked = 0
+        for n, r in enumerate(rows):
+            own = torch.cat([adapter.forward(r, adapter.new_cache()).features])
+            for j in valid[n].nonzero()[:, 0].tolist():
+                a = int(anchors[n, j])
+                torch.testing.assert_close(blocks.logits[n, j], inference_logits(d, adapter, r, own, a),
+                                           rtol=0, atol=1e-10)
+                checked += 1
+    assert checked > 10 and not valid.all()  # the short row pads its anchors

@@ -40,7 +40,7 @@ def token_counts() -> torch.Tensor:
 
 
 def load_embedded(variant: str = "dflash2", *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
-    """(tokenizer, target, drafter) of the embedded pair; FileNotFoundError if it is not shipped yet."""
+    """(tokenizer, target, drafter) of the embedded pair; FileNotFoundError if this installation lacks it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..drafter import DFlash2Drafter

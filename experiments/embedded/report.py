@@ -177,6 +177,11 @@ def main() -> int:
                             "configs/bench/main.yaml",
                             "Sampling is temperature 1.0, top-p 0.95, top-k 20; sampled rows report τ and speed "
                             "(losslessness is the tests' job).")
+    lines += _bench_section("bench_greedy_vs_sampling", "Greedy beside sampling (batch 1, B = 16, HumanEval)",
+                            "configs/bench/greedy_vs_sampling.yaml",
+                            "The README's results table: the same 10 prompts greedy and with sampling (T = 1, top-k 20, "
+                            "top-p 0.95), our plain decoding and DFlash 2 (path and 15-node tree), each with the model's "
+                            "forward and with StaticTarget. " + _dtype_note("bench_greedy_vs_sampling"))
     lines += _bench_section("bench_block_sweep", "Block-size sweep (batch 1, greedy, HumanEval)",
                             "configs/bench/block_sweep.yaml",
                             "The drafters were trained at B = 16 and run at smaller B with the same weights.")
@@ -202,6 +207,7 @@ def main() -> int:
                             "decoding here, as ours does against the engine: see the roofline section for why a "
                             "16-token verify cannot pay at 8 rows on this CPU.")
     lines += _ablation_section() + _profile_section() + _roofline_section() + _serve_section()
+    lines += _train_memory_section() + _regen_section() + _embedded_chat_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
     print("wrote docs/results.md")
     return 0
@@ -242,6 +248,15 @@ def _roofline_section() -> list[str]:
               "the remaining time is per-call overhead (operator dispatch, the compiled graph's guards, small "
               "matrix-vector products that do not reach the memory bandwidth), which batching amortises and "
               "speculative decoding divides by τ.", ""]
+    freezing = _load("static_freezing.json")
+    if freezing is not None:
+        by = lambda v: ", ".join(f"{r['tokens_per_s']:.0f}" for r in freezing["runs"] if r["variant"] == v)  # noqa: E731
+        lines += [f"Prepacked weights for those matrix-vector products, tried ({freezing['date']}, "
+                  "`python experiments/static_freezing.py`, other CPU "
+                  f"{freezing['other_cpu']}): inductor's `freezing` on the compiled StaticTarget step gave {by('freezing')} "
+                  f"tokens/s of plain decoding against {by('plain')} without it, one process each, alternating. The "
+                  "difference is within the drift between processes on this VM (a second, unsaved run of the same "
+                  "comparison ordered them the other way), so StaticTarget does not freeze.", ""]
     return lines
 
 
@@ -282,6 +297,79 @@ def _serve_section() -> list[str]:
                 lines.append(f"- {row['method']}" + (f", window {window}" if window else "") + ": "
                              + ", ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs))
     return lines + [""]
+
+
+def _train_memory_section() -> list[str]:
+    data = _load("train_memory/results.json")
+    if data is None:
+        return []
+    before = {(r["vocab"], r["seq_len"]): r for r in data["before"]}
+    after = {(r["vocab"], r["seq_len"]): r for r in data["after"]}
+    gb = lambda r: f"{r['peak_rss_gb']:.2f} GB" if r and r.get("fits") else (r or {}).get("note", "—")  # noqa: E731
+    lines = ["## Training memory against vocabulary and length", "",
+             "`python experiments/train_memory.py` ([results.json](results/train_memory/results.json)): the peak "
+             "resident memory of a whole `python -m dflash2.train` process, regeneration included (GNU time's maximum "
+             "resident set size). The target is a random Qwen3 (hidden 64, 4 layers, tied embeddings). Each run is 2 "
+             "steps of batch 1 over 2 sequences of T tokens (T/2 prompt, T/2 regenerated), 256 anchors per sequence, "
+             "B = 16, one drafter layer, the default DFlash-2 selector (rank 256), soft targets, and a checkpoint every "
+             f"step. Before: {data['meta']['before']}. After: {data['meta']['after']}. {data['meta']['machine']}.", "",
+             "| vocabulary | sequence length | before: peak RSS | after: peak RSS |", "|---|---|---|---|"]
+    for key in sorted(set(before) | set(after)):
+        lines.append(f"| {key[0]:,} | {key[1]:,} | {gb(before.get(key))} | {gb(after.get(key))} |")
+    return lines + ["",
+        "Before, the step held the drafter's logits `[N, A, L, V]` several times over (logits, log-softmax, the "
+        "gathered soft targets, their gradient), and the target's softmax `[N, T, V]`. It also serialised each "
+        "checkpoint into memory before writing it. After, the loss keeps at most `2^24 / V` rows of logits at a time, "
+        "the target returns the last position's logits only, and checkpoints stream to disk. What remains at "
+        "V = 151,936 is mostly the selector's two `[V, 256]` codebooks with their gradients and AdamW state (1.2 GB) "
+        "and the process itself (0.6 GB of torch and transformers): hence the flat 2.2 GB. The training issue's "
+        "acceptance run is the row V = 151,936, T = 2,048 (bound: 2.5 GB).", ""]
+
+
+def _regen_section() -> list[str]:
+    data = _load("regen_throughput/results.json")
+    if data is None:
+        return []
+    meta = data["meta"]
+    reps = sorted({r["repetition"] for r in data["rows"]})
+    lines = ["## Regeneration throughput: the hf and vllm backends", "",
+             "`python experiments/regen_throughput.py --vllm-python ~/vllm-venv/bin/python` "
+             f"([results.json](results/regen_throughput/results.json); other CPU {meta['other_cpu']}, busy: "
+             f"{meta['busy']}). The embedded target, {meta['threads']} threads, float32. The {meta['prompts']} "
+             "conversations of `experiments/embedded/chat_sample.jsonl` are rendered with the chat template, and each is "
+             f"continued by exactly {meta['new_tokens']} tokens, greedy, as one shard of the trainer would be. "
+             "Repetitions interleaved.", "",
+             "| backend | rows per call | " + " | ".join(f"tokens/s, rep {r + 1}" for r in reps) + " |",
+             "|---|---|" + "---|" * len(reps)]
+    kinds = [("hf", "tokens_per_s", "`hf` (`generate`, left-padded)"),
+             ("vllm", "generate_tokens_per_s", "`vllm`, generation alone"),
+             ("vllm", "tokens_per_s", "`vllm`, one shard with its engine start")]
+    for backend, field, label in kinds:
+        for batch in sorted({r["batch"] for r in data["rows"] if r["backend"] == backend}):
+            cells = [next((f"{r[field]:,.0f}" for r in data["rows"] if (r["backend"], r["batch"], r["repetition"]) ==
+                           (backend, batch, rep)), "—") for rep in reps]
+            lines.append(f"| {label} | {batch} | " + " | ".join(cells) + " |")
+    return lines + ["",
+        "vLLM's generation is a little faster than HF's at the same batch on this toy target, but its engine start "
+        "costs more than the whole shard's generation: at this scale the `hf` backend is the one to use. At scale "
+        "(GPUs, a real target, thousands of sequences per shard) the start is amortised, and the engine's batching "
+        "and paged cache are what make 800k regenerations feasible.", ""]
+
+
+def _embedded_chat_section() -> list[str]:
+    path = RESULTS / "embedded_chat" / "log.jsonl"
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    taus = ", ".join(f"{r['heldout_tau']:.2f} at step {r['step']}" for r in records if "heldout_tau" in r)
+    return ["## A chat-trained drafter for the embedded target", "",
+            "`python -m dflash2.train --config configs/train/embedded_chat.yaml` "
+            "([its log](results/embedded_chat/log.jsonl)): 40 coding requests in four row formats; the embedded "
+            "target regenerates every answer (up to 96 tokens, greedy), then 60 steps train a DFlash-2 drafter on 32 "
+            f"of them, 8 held out. The held-out τ (teacher-forced greedy acceptance per block) is {taus}. Treat it with "
+            "care: the embedded target's answers to chat prompts are short and highly repetitive (it was trained on "
+            "source files, not chat), which makes them easy to draft. The run shows that the chat path works end to "
+            "end, not that the drafter is good.", ""]
 
 
 def _runs_section(folder: Path) -> list[str]:
@@ -399,7 +487,8 @@ def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
             share = t["draft"] / sum(t.values())
             out.append(f"| {r['dataset']} | {r['setting']} | {r.get('concurrency', 1)} | {r['method']} | {r['tau']:.2f} | "
                        f"{gap} | {t['draft']:.2f} | {t['verify']:.2f} | {share:.0%} |")
-    return out + ["", f"![speedup](results/{name}/speedup.png)", ""]
+    figures = sorted((Path("docs/results") / name).glob("speedup_*.png"))  # one per table (dflash2.bench._plot)
+    return out + ["", *[f"![{f.stem}](results/{name}/{f.name})" for f in figures], ""]
 
 
 if __name__ == "__main__":
