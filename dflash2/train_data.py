@@ -46,7 +46,8 @@ def _datasets():
     try:
         import datasets
     except ImportError:
-        raise ImportError("conversation datasets need the `datasets` package: pip install datasets") from None
+        raise ImportError("training data needs the `datasets` package: pip install -e \".[train]\" "
+                          "(or pip install datasets)") from None
     return datasets
 
 
