@@ -225,9 +225,9 @@ class LoadMonitor:
         other = None
         if busy is not None and self.start[1] is not None and wall > self.start[0]:
             other = max(0.0, (busy - self.start[1]) - (own - self.start[2])) / (wall - self.start[0])
+        other = None if other is None else round(other, 3)  # busy is judged on the recorded value
         return dict(load_before=self.load_before, load_after=_loadavg(), threads=torch.get_num_threads(),
-                    other_cpu=None if other is None else round(other, 3),
-                    busy=None if other is None else other > BUSY)
+                    other_cpu=other, busy=None if other is None else other > BUSY)
 
 
 def _loadavg() -> float | None:
@@ -550,9 +550,9 @@ def _median_ratio(items, base: dict) -> float | None:
     return statistics.median(ratios) if ratios else None
 
 
-def _quartiles(items, base: dict) -> tuple[float, float] | None:
-    """First and third quartiles of the per-prompt ratios (the spread behind the median)."""
-    ratios = sorted(_ratios(items, base))
+def _quartiles(ratios: list[float]) -> tuple[float, float] | None:
+    """First and third quartiles of per-prompt ratios (the spread behind the median)."""
+    ratios = sorted(ratios)
     if len(ratios) < 2:
         return (ratios[0], ratios[0]) if ratios else None
     q = statistics.quantiles(ratios, n=4, method="inclusive")
@@ -577,11 +577,13 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
     best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
     rows = []
     for name, items in runs.items():
+        ratios = _ratios(items, base)
         row = dict(method=name, dataset=dataset, block_size=block, setting=setting_name, **setting,
-                   tokens_per_s=_tokens_per_s(items), speedup=_median_ratio(items, base), runs=len(items),
+                   tokens_per_s=_tokens_per_s(items), speedup=statistics.median(ratios) if ratios else None,
+                   runs=len(items),
                    new_tokens=sum(r.new_tokens for _, _, r in items))
         row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar_tps if ar_tps else None
-        spread = _quartiles(items, base)
+        spread = _quartiles(ratios)
         if spread is not None:
             row["speedup_q1"], row["speedup_q3"] = spread
         if fastest:

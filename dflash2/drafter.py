@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from . import reference_format
+from .checkpoint import looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
@@ -357,7 +358,7 @@ def _local_directory(name: str | Path) -> Path:
     """`name` itself when it exists; else, for a hub id, its snapshot (cached, or fetched)."""
     path = Path(name)
     text = str(name)
-    if path.exists() or text.startswith((".", "/", "~")) or text.count("/") != 1:
+    if path.exists() or not looks_like_hub_id(text):
         return path
     from huggingface_hub import snapshot_download
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
+from .checkpoint import looks_like_hub_id
 from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
@@ -132,23 +133,23 @@ def run(args: argparse.Namespace) -> int:
     if args.drafter_dtype:
         drafter = drafter.to(DTYPES[args.drafter_dtype])
     prompt_ids = encode(args.prompt).to(args.device)
-    limit = getattr(target.config.get_text_config(), "max_position_embeddings", None)
-    if limit is not None and prompt_ids.shape[1] + args.max_new_tokens > limit:
-        raise UsageError(f"the prompt ({prompt_ids.shape[1]} tokens) + --max-new-tokens ({args.max_new_tokens}) "
-                         f"exceeds the target's {limit} positions")
 
     color = args.color == "always" or (args.color == "auto" and sys.stdout.isatty())
 
+    echoed = []  # the prompt is written with the first committed tokens: a rejected prompt is never echoed
+
     def show(tokens: list[int], n_drafted: int) -> None:
         drafted, own = decode(tokens[:n_drafted]), decode(tokens[n_drafted:])
-        sys.stdout.write((f"{GREEN}{drafted}{RESET}" if color and drafted else drafted) + own)
+        sys.stdout.write(("" if echoed else args.prompt) + (f"{GREEN}{drafted}{RESET}" if color and drafted else drafted) + own)
         sys.stdout.flush()
+        echoed.append(True)
 
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                     top_p=args.top_p, stop_token_ids=stop_ids(target))
-    sys.stdout.write(args.prompt)
     spec = spec_generate(drafter, target, prompt_ids, on_commit=show, verify=args.verify, tree_nodes=args.tree_nodes,
                          generator=torch.Generator(device=args.device).manual_seed(args.seed), **sampling)
+    if not echoed:  # nothing committed (--max-new-tokens 0)
+        sys.stdout.write(args.prompt)
     n = spec.new_tokens.numel()
     mode = f"verify {args.verify}" + (f" ({args.tree_nodes} nodes)" if args.verify == "tree" else "")
     print(f"\n\n{n} tokens in {spec.num_rounds} rounds, τ = {spec.tau:.2f}, {spec.tokens_per_s:.1f} tokens/s; "
@@ -245,13 +246,6 @@ def load_config_fields(path: Path) -> dict:
     if unknown:
         raise UsageError(f"--config {path}: unknown DFlash2Config fields {unknown}")
     return fields  # values are validated when the drafter is built
-
-
-def looks_like_hub_id(name: str) -> bool:
-    """owner/name (or a bare name) as the hub spells it: not a path that merely does not exist."""
-    import re
-
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and not name.startswith(".")
 
 
 def stop_ids(target) -> list[int] | None:

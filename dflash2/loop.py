@@ -237,8 +237,8 @@ def _check_prompt(input_ids, tgt: TargetAdapter, max_new_tokens) -> Tensor:
         raise ValueError(f"input_ids hold token ids outside the target vocabulary [0, {tgt.vocab_size})")
     limit = tgt.max_positions
     if limit is not None and input_ids.shape[1] + max_new_tokens > limit:
-        raise ValueError(f"prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-                         f"target's maximum positions ({limit})")
+        raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"target's {limit} positions (the maximum positions of its config)")
     return input_ids.to(tgt.device)
 
 

@@ -38,12 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint import load_checkpoint, looks_like_hub_id, save_checkpoint
 from .drafter import DFlash2Drafter
 from .overrides import load_yaml_with_overrides
 from .target import TargetAdapter
-from .training import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, masked_block_forward,
-                       position_weights, sample_masked_anchors)
+from .training import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
+                       masked_block_forward, position_weights, sample_masked_anchors)
 
 
 @dataclass
@@ -253,8 +253,7 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
     log(f"data: regenerating {what} with the {d.backend} backend into {directory}")
     answers = [len(c.turns) for c in jobs] if d.dataset is not None else [1] * len(jobs)  # generate calls' rows
     bar = tqdm(total=sum(answers), desc="data", unit="answer", file=sys.stderr)
-    if hasattr(backend, "progress"):
-        backend.progress = bar.update
+    backend.progress = bar.update
 
     def make_shard(i: int, shard: list):
         seed = cfg.seed * 1_000_003 + i  # this shard's draws, whatever ran before
@@ -262,7 +261,7 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
             out = td.chat_shard(backend, tokenizer, shard, sampling, seed, d.max_length, d.enable_thinking)
         else:
             out = td.fixed_shard(backend, shard, d.new_tokens, sampling, seed)
-        bar.n = sum(answers[: (i + 1) * d.shard_size])  # whatever the backend reported (a test backend may not)
+        bar.n = sum(answers[: (i + 1) * d.shard_size])  # exact at every shard, whatever the backend reported
         bar.refresh()
         return out
 
@@ -381,7 +380,7 @@ class Run:
             raise ValueError(f"the {cfg.batch_size // self.world} sequences per process and step do not split "
                              f"into grad_accum={cfg.grad_accum} micro-batches")
         self.out = Path(cfg.out)
-        if not Path(cfg.target).is_dir() and (cfg.target.startswith(("/", ".", "~")) or cfg.target.count("/") > 1):
+        if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target):
             raise FileNotFoundError(f"no such target directory: {cfg.target}")
         self.target = AutoModelForCausalLM.from_pretrained(cfg.target, dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
         self.target = self.target.to(self.device).eval()
@@ -547,13 +546,10 @@ def _init_state(init: str, drafter: DFlash2Drafter) -> dict[str, torch.Tensor]:
 
 def _denominators(micro: list, L: int, gamma: float | None) -> tuple[float, float]:
     """The whole step's Σ w_k·m and Σ m over every micro-batch's label weights (before any forward)."""
-    w = position_weights(L, gamma)
     den_b = den_s = 0.0
-    for ids, _, anchors, valid, mask, _ in micro:
-        N, A = anchors.shape
-        pos = (anchors[:, :, None] + 1 + torch.arange(L, device=anchors.device)).reshape(N, -1)
-        m = (mask.gather(1, pos).view(N, A, L) & valid[:, :, None]).float().cpu()
-        den_b += float((m * w).sum())
+    for _, _, anchors, valid, mask, _ in micro:
+        m = label_weights(anchors, L, mask, valid)
+        den_b += float((m * position_weights(L, gamma, m.device)).sum())
         den_s += float(m.sum())
     return den_b, den_s
 
@@ -583,7 +579,6 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
             if run.rank == 0:
                 log(f"resuming from step {step} of {cfg.steps} ({run.out / 'ckpt.pt'})")
         end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
-        saved = step
         bar = tqdm(range(step, end), initial=step, total=cfg.steps, desc="drafter", disable=run.rank != 0)
         signals["defer"] = 1  # from here a signal stops the loop at the end of its step
         started, seen_tokens, seen_anchors = time.perf_counter(), 0, 0
@@ -606,15 +601,14 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
                             tok_s=f"{record['tokens_per_s']:.0f}", anc_s=f"{record['anchors_per_s']:.0f}")
             if done % cfg.ckpt_every == 0 or done == end or signals["signum"] is not None:
                 run.save(done, record)
-                saved = done
-            if signals["signum"] is not None:
+            if signals["signum"] is not None:  # saved just above
                 bar.close()
-                raise Interrupted(signals["signum"], f"{signal.Signals(signals['signum']).name} at step {saved} of "
+                raise Interrupted(signals["signum"], f"{signal.Signals(signals['signum']).name} at step {done} of "
                                   f"{cfg.steps}: checkpoint written to {run.out / 'ckpt.pt'}; the same command resumes")
         signals["defer"] = 0
         bar.close()
         fsdp = run.distributed and cfg.parallel == "fsdp"
-        full = run.state(end)["drafter"] if (end == cfg.steps or run.distributed) else None  # every rank gathers
+        full = run.state(end)["drafter"] if fsdp else run.drafter.state_dict()  # under FSDP every rank gathers
         if run.rank == 0 and end == cfg.steps:
             final = run.drafter
             if fsdp:  # the sharded drafter's full weights, in an unsharded copy

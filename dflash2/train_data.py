@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -201,6 +201,7 @@ class VLLMBackend:
         self.python, self.target, self.tokenizer, self.eos_ids = python, target, tokenizer, eos_ids
         self.dtype, self.max_model_len, self.tp = dtype, max_model_len, tensor_parallel_size
         self.progress: Callable[[int], Any] | None = None  # called with the rows of every finished call
+        self.generate_wall_s: float | None = None  # the engine's own time for the last call (its start excluded)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
         from .vllm_engine import run_vllm
@@ -212,6 +213,7 @@ class VLLMBackend:
                           warmup=False, llm_kwargs={"tensor_parallel_size": self.tp} if self.tp > 1 else None)
         if result.error:
             raise RuntimeError(f"vLLM regeneration failed: {result.error}\n{result.log_tail[-2000:]}")
+        self.generate_wall_s = result.wall_s
         if self.progress is not None:
             self.progress(len(prompts))
         return [_until_eos(o, self.eos_ids) if s.stop_at_eos else o for o in result.outputs]
@@ -227,8 +229,7 @@ def _until_eos(tokens: list[int], eos_ids: list[int]) -> list[int]:
 
 # -- the sharded dataset --------------------------------------------------------------------------------
 def build(directory: Path, recipe: dict[str, Any], jobs: list, shard_size: int,
-          make_shard: Callable[[int, list], tuple[list[list[int]], list[list[bool]]]],
-          progress: Callable[[int, int], None] | None = None) -> Path:
+          make_shard: Callable[[int, list], tuple[list[list[int]], list[list[bool]]]]) -> Path:
     """Write `jobs` as shards of `shard_size` through make_shard(index, jobs) → (input_ids, label_mask),
     resuming after the shards already there when `recipe.json` matches (a stale partial is cleared;
     a complete dataset with another recipe is refused)."""
@@ -239,27 +240,24 @@ def build(directory: Path, recipe: dict[str, Any], jobs: list, shard_size: int,
     stored = _read_json(directory / "recipe.json")
     if stored is not None and stored != recipe:
         if (directory / "complete.json").is_file():
-            raise ValueError(f"{directory} was regenerated with a different data recipe (then, now): "
-                             f"{ {k: (stored.get(k), recipe.get(k)) for k in sorted(set(stored) | set(recipe)) if stored.get(k) != recipe.get(k)} }")
+            differ = {k: (stored.get(k), recipe.get(k)) for k in sorted(set(stored) | set(recipe))
+                      if stored.get(k) != recipe.get(k)}
+            raise ValueError(f"{directory} was regenerated with a different data recipe (then, now): {differ}")
         shutil.rmtree(directory)  # an unfinished regeneration of another recipe: start over
     if (directory / "complete.json").is_file():
         return directory
     directory.mkdir(parents=True, exist_ok=True)
     _write_json(directory / "recipe.json", recipe)
     shards = [jobs[i: i + shard_size] for i in range(0, len(jobs), shard_size)]
-    done = sum(1 for i in range(len(shards)) if (directory / f"shard_{i:05d}").is_dir())
-    for i in range(len(shards)):
+    for i, shard in enumerate(shards):
         final = directory / f"shard_{i:05d}"
         if final.is_dir():
             continue
-        ids, mask = make_shard(i, shards[i])
+        ids, mask = make_shard(i, shard)
         tmp = directory / f".shard_{i:05d}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         datasets.Dataset.from_dict({"input_ids": ids, "label_mask": mask}).save_to_disk(str(tmp))
         os.replace(tmp, final)
-        done += 1
-        if progress is not None:
-            progress(done, len(shards))
     _write_json(directory / "complete.json", {"shards": len(shards), "sequences": len(jobs)})
     return directory
 
@@ -327,8 +325,7 @@ def chat_shard(backend, tokenizer, convs: list[Conversation], sampling: Sampling
                     prompts.append(ids)
         if not live:
             break
-        budget = Sampling(**{**sampling.__dict__, "max_new_tokens": min(sampling.max_new_tokens,
-                                                                          max_length - min(map(len, prompts)))})
+        budget = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, max_length - min(map(len, prompts))))
         responses = backend.generate(prompts, budget, seed * 131 + r)
         for i, p, resp in zip(live, prompts, responses):
             resp = resp[: max_length - len(p)]

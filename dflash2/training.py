@@ -88,6 +88,19 @@ def sample_masked_anchors(label_mask: Tensor, lengths: Tensor, B: int, A: int, g
     return anchors.to(label_mask.device), valid.to(label_mask.device)
 
 
+def label_weights(anchors: Tensor, L: int, label_mask: Tensor | None = None, valid: Tensor | None = None) -> Tensor:
+    """[N, A, L] float: 1 where block position k of anchor a labels a token that counts (label_mask[a + k],
+    k = 1..L, on a real anchor), else 0. label_mask [N, T] bool or None (all count); valid [N, A] or None."""
+    N, A = anchors.shape
+    weights = torch.ones(N, A, L, device=anchors.device)
+    if label_mask is not None:
+        pos = (anchors[:, :, None] + 1 + torch.arange(L, device=anchors.device)).reshape(N, -1)
+        weights = weights * label_mask.gather(1, pos).view(N, A, L)
+    if valid is not None:
+        weights = weights * valid[:, :, None]
+    return weights
+
+
 def block_mask(anchors: Tensor, T: int, B: int, window: int | None = None) -> Tensor:
     """[N, 1, A·B, T + A·B] bool: block j sees context p < a_j (and p >= a_j - window), and itself."""
     N, A = anchors.shape
@@ -124,11 +137,7 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     label_pos = positions.view(N, A, B)
     labels = ids.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
     prev = ids.gather(1, label_pos[:, :, :-1].reshape(N, -1)).view(N, A, B - 1)
-    weights = torch.ones(N, A, B - 1, device=ids.device)
-    if label_mask is not None:
-        weights = weights * label_mask.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
-    if valid is not None:
-        weights = weights * valid[:, :, None]
+    weights = label_weights(anchors, B - 1, label_mask, valid)
     return BlockOutputs(hidden, labels, prev, weights, drafter.draft_logits(hidden, target) if logits else None)
 
 
@@ -181,23 +190,21 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     micro-batches of one step add up to the step's loss (gradient accumulation). `chunk` rows at a time
     (None: as many as LOSS_CHUNK_ELEMENTS logits allow)."""
     N, A, L, H = out.hidden.shape
+    V = target.vocab_size
     if chunk is None:
-        chunk = max(1, LOSS_CHUNK_ELEMENTS // target.vocab_size)
-    K = drafter.config.selector_top_k
+        chunk = max(1, LOSS_CHUNK_ELEMENTS // V)
+    K = min(drafter.config.selector_top_k, V)
     rows = out.hidden.reshape(-1, H)  # [M, H], M = N·A·L
     labels = out.labels.reshape(-1)
     t_rows = None if target_hidden is None else target_hidden.reshape(rows.shape[0], -1)
-    V = [0]
     top1 = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
     cand = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
 
     def row_loss(h: Tensor, s: slice) -> Tensor:
         logp = _wide(drafter.draft_logits(h, target)).log_softmax(-1)  # [m, V]
-        V[0] = logp.shape[-1]
         with torch.no_grad():
             top1[s] = logp.argmax(-1) == labels[s]
-            k = min(K, logp.shape[-1])
-            cand[s, :k] = logp.topk(k, dim=-1).indices
+            cand[s] = logp.topk(K, dim=-1).indices
         if t_rows is None:
             return -logp.gather(-1, labels[s, None])[:, 0]
         with torch.no_grad():
@@ -209,7 +216,7 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     w = position_weights(L, gamma, rows.device, per_pos.dtype) * m
     den_b, den_s = denominators if denominators is not None else (float(w.sum()), float(m.sum()))
     backbone = (per_pos * w).sum() / max(den_b, 1e-12)
-    top1, cand = top1.view(N, A, L), cand.view(N, A, L, K)[..., : min(K, V[0])]
+    top1, cand = top1.view(N, A, L), cand.view(N, A, L, K)
     covered = (cand == out.labels[..., None]).any(-1)
     count = max(float(m.sum()), 1e-12)
     by_pos = (top1 * m).sum((0, 1)) / m.sum((0, 1)).clamp_min(1e-12)
