@@ -254,9 +254,9 @@ def _roofline_section() -> list[str]:
         lines += [f"Prepacked weights for those matrix-vector products, tried ({freezing['date']}, "
                   "`python experiments/static_freezing.py`, other CPU "
                   f"{freezing['other_cpu']}): inductor's `freezing` on the compiled StaticTarget step gave {by('freezing')} "
-                  f"tokens/s of plain decoding against {by('plain')} without it, one process each, alternating. The "
-                  "difference is within the drift between processes on this VM (a second, unsaved run of the same "
-                  "comparison ordered them the other way), so StaticTarget does not freeze.", ""]
+                  f"tokens/s of plain decoding against {by('plain')} without it, one process each, alternating. Which is "
+                  "faster changes from process to process: the difference is within this VM's drift, so "
+                  "StaticTarget does not freeze.", ""]
     return lines
 
 
