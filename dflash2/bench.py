@@ -65,6 +65,15 @@ Timings are only results on a quiet machine. Every table records the 1-minute lo
 and after, the threads, and `other_cpu`: CPU seconds that other processes used while it ran, per
 second of wall time (from /proc/stat, minus this process and its children); `busy` is true when
 other_cpu > 0.1, and a busy table says so in bold at its top.
+Datasets (dflash2/prompt_sets.py): the raw completion sets `humaneval` and `stdlib_heldout`, and the
+model cards' suites `gsm8k`, `math500`, `humaneval-instruct`, `mbpp`, `mt-bench`, `alpaca` in z-lab/dflash's
+benchmark format, through the target's chat template (`chat_template`, `enable_thinking`), read from the
+hub through `datasets` or from local `{"turns": [...]}` files (`dataset_files.gsm8k=PATH`). A conversation
+of several turns runs turn by turn, each prompt holding the method's own earlier answers; its tokens and
+seconds add up. Rows of drafter methods carry `acceptance_histogram` (share of rounds committing 1 .. B
+tokens) beside `acceptance_by_position`.
+With `servers` (dflash2/bench_server.py) the same suites also go to OpenAI-compatible endpoints (SGLang,
+`vllm serve`; launched and stopped by the bench when given a `launch` command), after our own rows.
 `--quick` runs tiny random models for a smoke test (what CI runs).
 """
 
@@ -78,6 +87,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -92,7 +102,8 @@ from .drafter import DFlash2Drafter
 from .batch import ar_generate_batch, spec_generate_batch
 from .loop import ar_generate, spec_generate
 from .overrides import load_yaml_with_overrides
-from .prompt_sets import load_prompts
+from .prompt_sets import NAMES, SUITES, PromptSet, load_prompt_set
+from .train_data import render
 from .vllm_engine import refusal_reason
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
@@ -118,6 +129,17 @@ class BenchConfig:
                                                                "dflash2": "embedded:dflash2"})
     ar_draft: str | None = "embedded:ar_draft"
     datasets: list[str] = field(default_factory=lambda: ["humaneval", "stdlib_heldout"])
+    # name → a local .jsonl of {"turns": [...]} rows, used as written (the reference benchmark's cache
+    # format); any name, so dataset_files.gsm8k=PATH replaces the hub download (dflash2/prompt_sets.py)
+    dataset_files: dict[str, str] = field(default_factory=dict)
+    # "auto": the suites (gsm8k, math500, humaneval-instruct, mbpp, mt-bench, alpaca, local files) go
+    # through the target's chat template, the raw sets (humaneval, stdlib_heldout) do not; true / false: all
+    chat_template: bool | str = "auto"
+    enable_thinking: bool | None = None  # passed to the chat template when set (the cards: thinking on)
+    # name → {url: http://127.0.0.1:PORT, launch: "command" (optional: started and stopped by the bench),
+    # api: openai | sglang, block_size: the server's draft block (None: plain decoding)}: server mode
+    # (dflash2/bench_server.py), the same suites sent to an OpenAI-compatible endpoint
+    servers: dict[str, dict] = field(default_factory=dict)
     num_prompts: int = 40
     max_new_tokens: int = 128
     block_sizes: list[int] = field(default_factory=lambda: [8, 16])
@@ -168,6 +190,20 @@ class BenchConfig:
         elif set(self.methods) & set(VLLM_METHODS):
             raise ValueError(f"methods {sorted(set(self.methods) & set(VLLM_METHODS))} need vllm_python "
                              "(the python of a venv with vLLM)")
+        if self.chat_template not in ("auto", True, False):
+            raise ValueError(f"chat_template must be auto, true or false, got {self.chat_template!r}")
+        bad = sorted(set(self.datasets) - set(NAMES) - set(SUITES) - set(self.dataset_files))
+        if bad:
+            raise ValueError(f"unknown datasets {bad}; known: {[*NAMES, *SUITES]}, or any name given a local "
+                             "file in dataset_files")
+        bad = sorted(set(self.dataset_files) - set(self.datasets))
+        if bad:
+            raise ValueError(f"dataset_files names {bad}, which are not in datasets {self.datasets}")
+        from .bench_server import ServerSpec
+
+        self.servers = {name: ServerSpec.parse(name, spec) for name, spec in self.servers.items()}
+        if self.servers and self.quick:
+            raise ValueError("servers need a real target directory; --quick runs random in-memory models")
         bad = sorted(set(self.settings) - set(SETTINGS))
         if bad:
             raise ValueError(f"unknown settings {bad}; known: {list(SETTINGS)}")
@@ -216,12 +252,16 @@ class LoadMonitor:
     this process's and its children's, per second of wall time, and the 1-minute load average
     before and after (for the record: our own threads raise it too)."""
 
-    def __init__(self) -> None:
+    def __init__(self, server_cpu: Callable[[], float] | None = None) -> None:
+        self.server_cpu = server_cpu  # a server the bench launched: its CPU counts as the bench's own
         self.load_before = _loadavg()
-        self.start = (time.perf_counter(), _busy_cpu_s(), _own_cpu_s())
+        self.start = (time.perf_counter(), _busy_cpu_s(), self._own())
+
+    def _own(self) -> float:
+        return _own_cpu_s() + (self.server_cpu() if self.server_cpu else 0.0)
 
     def record(self) -> dict[str, Any]:
-        wall, busy, own = time.perf_counter(), _busy_cpu_s(), _own_cpu_s()
+        wall, busy, own = time.perf_counter(), _busy_cpu_s(), self._own()
         other = None
         if busy is not None and self.start[1] is not None and wall > self.start[0]:
             other = max(0.0, (busy - self.start[1]) - (own - self.start[2])) / (wall - self.start[0])
@@ -316,6 +356,44 @@ class Run:
     seconds: float
     acceptance: list[int] | None = None  # tokens per round (spec methods)
     breakdown: dict[str, float] | None = None  # seconds: prefill, draft, verify, other
+    outputs: list[list[int]] = field(default_factory=list)  # the generated ids of each row
+
+    def __add__(self, other: Run) -> Run:
+        """Two turns of one conversation (or set) as one run: tokens, seconds and rounds add up."""
+        acc = None if self.acceptance is None and other.acceptance is None else \
+            (self.acceptance or []) + (other.acceptance or [])
+        parts = None if not (self.breakdown and other.breakdown) else \
+            {k: self.breakdown[k] + other.breakdown[k] for k in self.breakdown}
+        return Run(self.new_tokens + other.new_tokens, self.seconds + other.seconds, acc, parts,
+                   self.outputs + other.outputs)
+
+
+class Prompter:
+    """Conversation (+ the model's answers so far) → the ids of its next turn's prompt: through the
+    target's chat template for a chat set (enable_thinking when set), the turn's text as it is for a
+    raw one."""
+
+    def __init__(self, tokenizer, chat_template: bool | str, enable_thinking: bool | None) -> None:
+        self.tokenizer, self.chat_template, self.enable_thinking = tokenizer, chat_template, enable_thinking
+
+    def chat(self, prompts: PromptSet) -> bool:
+        return prompts.chat if self.chat_template == "auto" else bool(self.chat_template)
+
+    def check(self, prompts: PromptSet) -> None:
+        if not self.chat(prompts) and any(len(c.turns) > 1 for c in prompts.conversations):
+            raise ValueError(f"dataset {prompts.name!r} has multi-turn conversations: they need the chat "
+                             "template (chat_template: auto or true)")
+        if self.chat(prompts) and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"dataset {prompts.name!r} goes through the chat template, and the tokenizer has "
+                             "none (chat_template=false sends the turns as raw text)")
+
+    def ids(self, prompts: PromptSet, conv, answers: list[str]) -> list[int]:
+        if self.chat(prompts):
+            return render(self.tokenizer, conv, answers, self.enable_thinking)
+        return self.tokenizer(conv.turns[len(answers)]).input_ids
+
+    def text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
@@ -340,7 +418,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
                                  generator=g, **setting, **verify))
             other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
-                       dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other))
+                       dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other),
+                       [out.new_tokens.tolist()])
         return run
 
     def hf(**extra):
@@ -351,7 +430,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             t0 = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
                                   eos_token_id=stops, pad_token_id=stops[0], **kwargs, **extra)
-            return Run(out.shape[1] - ids.shape[1], time.perf_counter() - t0)
+            new = out[0, ids.shape[1]:].tolist()
+            return Run(len(new), time.perf_counter() - t0, outputs=[new])
         return run
 
     methods: dict[str, Callable] = {}
@@ -439,7 +519,8 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             rounds = [n for r in outs for n in r.acceptance_lengths]
             other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
             return Run(sum(r.new_tokens.numel() for r in outs), o.total_s, None if drafter is None else rounds,
-                       dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other))
+                       dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other),
+                       [r.new_tokens.tolist() for r in outs])
         return run
 
     methods: dict[str, Callable] = {"ar": ours(None)}
@@ -460,56 +541,120 @@ def left_pad(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch
 
 
 # -- the run -------------------------------------------------------------------------------------------
+def converse(fn, prompter: Prompter, prompts: PromptSet, conv, setting: dict, seed: int) -> Run:
+    """One conversation through a batch-1 method, turn by turn: each turn's prompt holds the method's own
+    earlier answers; the Run sums its turns (prefill included: end-to-end)."""
+    total, answers = None, []
+    for k in range(len(conv.turns)):
+        r = fn(torch.tensor([prompter.ids(prompts, conv, answers)]), setting, seed + 100_000 * k)
+        answers.append(prompter.text(r.outputs[0]))
+        total = r if total is None else total + r
+    return total
+
+
+def converse_batch(fn, prompter: Prompter, prompts: PromptSet, pad: int, setting: dict, seed: int) -> Run:
+    """The whole set through a batched method, turn by turn: turn k of every conversation that has one,
+    served together (continuous batching inside), its prompts holding each row's own earlier answers."""
+    convs, total = prompts.conversations, None
+    answers: list[list[str]] = [[] for _ in convs]
+    for k in range(max(len(c.turns) for c in convs)):
+        rows = [i for i, c in enumerate(convs) if len(c.turns) > k]
+        batch = left_pad([torch.tensor([prompter.ids(prompts, convs[i], answers[i])]) for i in rows], pad)
+        r = fn(batch, setting, seed + 100_000 * k)
+        for i, out in zip(rows, r.outputs):
+            answers[i].append(prompter.text(out))
+        total = r if total is None else total + r
+    return total
+
+
+def stop_ids(tokenizer, target) -> list[int]:
+    """The tokenizer's EOS first (also the pad id of left-padded batches), then the target's generation
+    config's other EOS ids (an instruct model's end-of-turn token)."""
+    ids = [tokenizer.eos_token_id]
+    extra = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    for i in extra if isinstance(extra, (list, tuple)) else [extra]:
+        if i is not None and i not in ids:
+            ids.append(int(i))
+    return ids
+
+
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     from tqdm import tqdm
 
     tokenizer, target, drafters, ar_draft = load_models(cfg)
-    stops = [tokenizer.eos_token_id]
-    rows, sources, tables, whole = [], {}, [], LoadMonitor()
-    for dataset in cfg.datasets:
-        texts, sources[dataset] = load_prompts(dataset, cfg.num_prompts)
-        prompts = [tokenizer(t, return_tensors="pt").input_ids for t in texts]
+    stops = stop_ids(tokenizer, target)
+    prompter = Prompter(tokenizer, cfg.chat_template, cfg.enable_thinking)
+    sets = {d: load_prompt_set(d, cfg.num_prompts, cfg.dataset_files.get(d)) for d in cfg.datasets}
+    for prompts in sets.values():
+        prompter.check(prompts)
+    rows, tables, whole = [], [], LoadMonitor()
+    sources = {d: ps.source + (", chat template" + ("" if cfg.enable_thinking is None else
+                                                    f", enable_thinking={cfg.enable_thinking}")
+                               if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
+    for dataset, prompts in sets.items():
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:
                 if conc == 1:
-                    methods, inputs = make_methods(cfg, target, drafters, ar_draft, block, stops), prompts
+                    methods = make_methods(cfg, target, drafters, ar_draft, block, stops)
+                    inputs = prompts.conversations
+                    call = lambda fn, conv, setting, seed: converse(fn, prompter, prompts, conv, setting, seed)  # noqa: E731
                 else:
                     methods = make_batch_methods(cfg, target, drafters, block, stops, conc)
-                    inputs = [left_pad(prompts, stops[0])]  # the whole set, conc rows in flight
+                    inputs = [None]  # the whole set, conc rows in flight
+                    call = lambda fn, _, setting, seed: converse_batch(fn, prompter, prompts, stops[0], setting, seed)  # noqa: E731
                 for setting_name in cfg.settings:
                     setting = SETTINGS[setting_name]
                     monitor = LoadMonitor()
                     runs: dict[str, list[tuple[int, int, Run]]] = {m: [] for m in methods}
                     warm = conc == 1  # one untimed run of each method first (compiles, first-call costs)
                     total = (cfg.repetitions * len(inputs) + warm) * len(methods)
-                    bar = tqdm(total=total, desc=f"{dataset} B={block} c={conc} {setting_name}", leave=False)
+                    bar = tqdm(total=total, desc=f"{dataset} B={block} c={conc} {setting_name}", leave=False,
+                                disable=None)  # no bar off a terminal
                     for name, fn in methods.items() if warm else ():
-                        fn(inputs[0], setting, cfg.seed)
+                        call(fn, inputs[0], setting, cfg.seed)
                         bar.update()
                     for rep in range(cfg.repetitions):
-                        for p, ids in enumerate(inputs):
+                        for p, conv in enumerate(inputs):
                             for name, fn in methods.items():  # interleaved: every method back to back
-                                runs[name].append((rep, p, fn(ids, setting, cfg.seed + 1000 * rep + p)))
+                                runs[name].append((rep, p, call(fn, conv, setting, cfg.seed + 1000 * rep + p)))
                                 bar.update()
                     bar.close()
-                    engine = dict(run_engine(cfg, drafters, prompts, block, conc, setting, stops, runs))
+                    engine = dict(run_engine(cfg, drafters, prompter, prompts, block, conc, setting, stops, runs))
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, block_size=block, concurrency=conc, setting=setting_name, **load))
                     rows += [dict(r, concurrency=conc, busy=load["busy"])
                              for r in summarize(runs, dataset, block, setting_name, setting, engine)]
+    if cfg.servers:
+        from .bench_server import run_servers
+
+        for spec in cfg.servers.values():
+            launch = spec.launch if isinstance(spec.launch, str) or not spec.launch else shlex.join(spec.launch)
+            sources[f"server {spec.name}"] = f"{spec.url} ({spec.api} API" + (
+                f", launched by the bench: `{launch}`)" if launch else ", already running)")
+
+        ours = {(r["dataset"], r["concurrency"], r["setting"]): r for r in rows if r["method"] == "ar"}
+        served = run_servers(cfg, prompter, sets, stops, tables)
+        for row in served:
+            ar = ours.get((row["dataset"], row["concurrency"], row["setting"]))
+            row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar else None
+        rows += served
+        _fastest_plain(rows)
     write_outputs(cfg, rows, sources, dict(whole.record(), tables=tables))
     return rows
 
 
-def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: list[torch.Tensor], block: int,
-               conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
+def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter: Prompter, prompts: PromptSet,
+               block: int, conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
     """The vllm_* methods of one table, through dflash2.vllm_engine in cfg.vllm_python: fills `runs`
-    (per prompt at concurrency 1, the whole set otherwise) and yields (method, VLLMResult)."""
+    (per conversation at concurrency 1, the whole set otherwise) and yields (method, VLLMResult). A
+    later turn of a conversation is one more engine call whose prompts hold the first repetition's
+    answers (the engine runs a whole turn's prompts per call)."""
     import tempfile
 
     from .vllm_engine import run_vllm
 
     exports = tempfile.TemporaryDirectory(prefix="dflash2-bench-drafters-")
+    convs = prompts.conversations
     for method, dtype in ((m, d) for d in cfg.vllm_dtypes for m in VLLM_METHODS if m in cfg.methods):
         kind, export = method.removeprefix("vllm_"), None
         method += DTYPE_SUFFIX[dtype]
@@ -519,19 +664,41 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompts: l
             export = Path(exports.name) / f"{kind}_B{block}"  # the reference format, as the engine loads it
             if not export.exists():
                 drafters[kind].with_config(block_size=block).save_pretrained(export, format="reference")
-        result = run_vllm(cfg.vllm_python, _resolve(cfg.target), [p[0].tolist() for p in prompts],
-                          max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
-                          tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
-                          repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
-                          threads=torch.get_num_threads(), dtype=dtype, **setting)
-        runs[method] = []
-        for rep, (walls, outs) in enumerate(zip(result.walls, result.repetition_outputs)):
-            if conc == 1:  # each request timed alone
-                runs[method] += [(rep, p, Run(len(out), wall)) for p, (wall, out) in enumerate(zip(walls, outs))]
-            else:  # the whole set in one call
-                runs[method].append((rep, 0, Run(sum(map(len, outs)), walls[0])))
+        answers: list[list[str]] = [[] for _ in convs]
+        per: dict[tuple[int, int], Run] = {}
+        result = None
+        for k in range(max(len(c.turns) for c in convs)):
+            active = [i for i, c in enumerate(convs) if len(c.turns) > k]
+            turn = run_vllm(cfg.vllm_python, _resolve(cfg.target), [prompter.ids(prompts, convs[i], answers[i])
+                                                                    for i in active],
+                            max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
+                            tokenizer=_resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
+                            repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
+                            threads=torch.get_num_threads(), dtype=dtype, **setting)
+            result = turn if result is None else _merge_engine(result, turn)
+            if turn.error:
+                break
+            for i, out in zip(active, turn.outputs):
+                answers[i].append(prompter.text(out))
+            for rep, (walls, outs) in enumerate(zip(turn.walls, turn.repetition_outputs)):
+                if conc == 1:  # each request timed alone
+                    items = [((rep, i), Run(len(out), wall)) for i, wall, out in zip(active, walls, outs)]
+                else:  # the whole turn in one call
+                    items = [((rep, 0), Run(sum(map(len, outs)), walls[0]))]
+                for key, r in items:
+                    per[key] = per[key] + r if key in per else r
+        runs[method] = [(rep, p, r) for (rep, p), r in sorted(per.items())]
         yield method, result
     exports.cleanup()
+
+
+def _merge_engine(a, b):
+    """Two turns' VLLMResults as one: the spec-decode counters add up; the first error stays."""
+    spec = {k: a.spec_decode.get(k, 0) + b.spec_decode.get(k, 0) for k in ("drafts", "draft_tokens", "accepted")}
+    pa, pb = a.spec_decode.get("accepted_per_position", []), b.spec_decode.get("accepted_per_position", [])
+    spec["accepted_per_position"] = [x + y for x, y in zip(pa, pb)] if pa and pb else pa or pb
+    return dataclasses.replace(a, spec_decode=spec, error=a.error or b.error, log_tail=b.log_tail or a.log_tail,
+                               vllm_version=a.vllm_version or b.vllm_version)
 
 
 def _ratios(items, base: dict) -> list[float]:
@@ -563,6 +730,11 @@ def _tokens_per_s(items) -> float:
     """Tokens per second over a method's runs (its total tokens over its total time)."""
     seconds = sum(r.seconds for _, _, r in items)
     return sum(r.new_tokens for _, _, r in items) / seconds if seconds else 0.0
+
+
+def acceptance_histogram(lengths: list[int], block: int) -> list[float]:
+    """Share of rounds that committed n tokens, n = 1 .. block (entry n - 1): the cards' histogram."""
+    return [sum(n == m for n in lengths) / len(lengths) for m in range(1, block + 1)] if lengths else []
 
 
 def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[dict[str, Any]]:
@@ -605,6 +777,7 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
         row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if name in ("ar", "ar" + STATIC, "hf_generate") else None)
         if lengths:
             row["acceptance_by_position"] = [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block)]
+            row["acceptance_histogram"] = acceptance_histogram(lengths, block)
         parts = [r.breakdown for _, _, r in items if r.breakdown]
         if parts and lengths:
             rounds = len(lengths)
@@ -628,6 +801,19 @@ def summarize(runs, dataset, block, setting_name, setting, engine=None) -> list[
     return rows
 
 
+def _fastest_plain(rows: list[dict[str, Any]]) -> None:
+    """speedup_vs_fastest_ar again over the whole run once servers ran: the fastest plain decoding of the
+    same (dataset, concurrency, setting), at the row's block size or a server's (block-free) one."""
+    plain = [r for r in rows if r.get("tokens_per_s") and (r["method"] in PLAIN_DECODING or
+                                                           (r.get("engine", "").startswith("server") and r["block_size"] is None))]
+    for r in rows:
+        peers = [x for x in plain if (x["dataset"], x["concurrency"], x["setting"]) ==
+                 (r["dataset"], r["concurrency"], r["setting"]) and x["block_size"] in (r["block_size"], None)]
+        if peers and r.get("tokens_per_s") is not None:
+            fastest = max(peers, key=lambda x: x["tokens_per_s"])
+            r.update(fastest_ar=fastest["method"], speedup_vs_fastest_ar=r["tokens_per_s"] / fastest["tokens_per_s"])
+
+
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str],
                   load: dict[str, Any] | None = None) -> None:
     out = Path(cfg.out)
@@ -643,13 +829,15 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
     busy = [t for t in load.get("tables", []) if t.get("busy")]
     lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
              f"{meta['cpu']}.", "", load_note(load) if load else "Load: not recorded.", "",
-             *[f"**Busy: {t['dataset']}, B={t['block_size']}, concurrency {t['concurrency']}, {t['setting']}: other "
+             *[f"**Busy: {'server ' + t['server'] + ', ' if t.get('server') else ''}{t['dataset']}, "
+               f"B={t['block_size'] or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
                f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
              *[f"- {name}: {src}" for name, src in sources.items()], "",
              "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back (in brackets: "
-             "their first and third quartiles); ratio: total "
+             "their first and third quartiles); a server's row (B — for one without a drafter): against the "
+             "server without a drafter; ratio: total "
              "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "
-             "table (ours, HF generate or vLLM).", "",
+             "table (ours, HF generate, vLLM or a server's).", "",
              "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup | ratio | vs fastest plain "
              "| vs faster HF spec. |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -662,7 +850,7 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
         tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {refusal_reason(r['error'])}"
         spread = (f" ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})" if r.get("speedup_q1") is not None
                   and r.get("speedup") is not None else "")
-        lines.append(f"| {r['dataset']} | {r['block_size']} | {r['concurrency']} | {r['setting']} | {r['method']} | "
+        lines.append(f"| {r['dataset']} | {r['block_size'] or '—'} | {r['concurrency']} | {r['setting']} | {r['method']} | "
                      f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])}{spread} | "
                      f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
@@ -698,7 +886,9 @@ def _plot(rows, out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    key = lambda r: (r["dataset"], r["block_size"], r["concurrency"], r["setting"])  # noqa: E731
+    # a server's rows (its plain decoding has no block size) make a figure of their own
+    key = lambda r: (r["dataset"], "server" if str(r.get("engine", "")).startswith("server") else  # noqa: E731
+                     str(r["block_size"]), r["concurrency"], r["setting"])
     plotted = [r for r in rows if r.get("speedup") is not None]
     top = max([r.get("speedup_q3") or r["speedup"] for r in plotted] + [1.0]) * 1.15
     paths = []
@@ -717,10 +907,12 @@ def _plot(rows, out: Path) -> list[Path]:
         ax.axvline(1.0, color="black", lw=0.8)
         ax.set_xlim(0, top)
         dataset, block, conc, setting = group
-        ax.set_title(f"{dataset}, B={block}, concurrency {conc}, {setting}", fontsize=9)
-        ax.set_xlabel("speedup over our AR (median of per-prompt ratios; whiskers: quartiles)", fontsize=8)
+        server = block == "server"
+        ax.set_title(f"{dataset}, {'servers' if server else 'B=' + block}, concurrency {conc}, {setting}", fontsize=9)
+        ax.set_xlabel(f"speedup over {'the server without a drafter' if server else 'our AR'} (median of "
+                      "per-prompt ratios; whiskers: quartiles)", fontsize=8)
         fig.tight_layout()
-        path = out / f"speedup_{dataset}_B{block}_c{conc}_{setting}.png"
+        path = out / f"speedup_{dataset}_{'server' if block == 'server' else 'B' + block}_c{conc}_{setting}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -1,0 +1,382 @@
+"""Server mode of the bench: the same suites sent to a running OpenAI-compatible endpoint.
+
+How a user who serves at scale measures a drafter: SGLang (`python -m sglang.launch_server ...
+--speculative-algorithm DFLASH --speculative-draft-model-path DIR`) or vLLM (`vllm serve TARGET
+--speculative-config '{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}'`), with and
+without the drafter, each a `servers` entry of the bench config:
+
+    servers:
+      vllm_serve_ar:      {url: "http://127.0.0.1:8000"}                     # already running
+      vllm_serve_dflash1: {url: "http://127.0.0.1:8001", block_size: 16,
+                           launch: "python -m vllm.entrypoints.openai.api_server --model ... --port 8001 ..."}
+
+An entry with `launch` is started by the bench (its own process group, log in `out/server_<name>.log`),
+waited for until `/health` answers, and stopped (SIGTERM, then SIGKILL) when its tables are done, also
+on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. Servers run one after
+the other, each over every (dataset, concurrency, setting) table.
+
+Every request carries the bench's own token ids (the chat template applied here, as for our loop), so
+the server and our loop see the same prompts. `api: openai` posts to `/v1/completions` (vLLM, SGLang);
+`api: sglang` to SGLang's native `/generate`. At concurrency 1 every conversation runs alone and is
+timed alone (its turns in order, each prompt holding the server's own earlier answers); at concurrency c
+that many conversations are in flight at once and the set is timed as a whole, prefill included.
+
+τ (tokens per verify step) comes from the engine: vLLM's Prometheus counters at `/metrics`
+(`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._per_pos`: τ = 1 + accepted / drafts,
+read before and after each table); SGLang's `/generate` reports `spec_verify_ct` per request
+(τ = completion tokens / verify steps). A server that reports neither gets τ "unknown" (None); a
+server without a drafter (no `block_size`) has τ 1. `speedup` is against the table's server without a
+drafter (median of per-conversation ratios at concurrency 1, of per-repetition set ratios above), and
+`tokens_per_s_ratio` against our own AR of the same table when the bench ran it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import statistics
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+APIS = ("openai", "sglang")
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    url: str  # the base address, e.g. http://127.0.0.1:8000
+    launch: str | list[str] | None = None  # a command the bench starts and stops (the server on 127.0.0.1)
+    env: dict[str, str] | None = None  # extra environment of the launched command (OMP_NUM_THREADS, ...)
+    api: str = "openai"  # openai: /v1/completions (vLLM, SGLang); sglang: SGLang's /generate
+    model: str | None = None  # the served model name of a request; default: the first of /v1/models
+    block_size: int | None = None  # the server's draft block (num_speculative_tokens + 1); None: no drafter
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, name: str, spec: Any) -> ServerSpec:
+        if isinstance(spec, ServerSpec):
+            return spec
+        if isinstance(spec, str):
+            spec = {"url": spec}
+        if not isinstance(spec, dict) or "url" not in spec:
+            raise ValueError(f"servers.{name} must be a URL or a mapping with a url (and launch, api, model, "
+                             f"block_size), got {spec!r}")
+        known = {f.name for f in fields(cls)} - {"name"}
+        bad = sorted(set(spec) - known)
+        if bad:
+            raise ValueError(f"servers.{name}: unknown keys {bad}; known: {sorted(known)}")
+        out = cls(name=name, **spec)
+        address = urllib.parse.urlparse(out.url)
+        if address.scheme not in ("http", "https") or not address.hostname:
+            raise ValueError(f"servers.{name}.url must be an http(s) address, got {out.url!r}")
+        if out.launch is not None and address.hostname not in LOCAL_HOSTS:
+            raise ValueError(f"servers.{name}: a server the bench launches must listen on 127.0.0.1 or "
+                             f"localhost, not {address.hostname}")
+        if out.api not in APIS:
+            raise ValueError(f"servers.{name}.api must be one of {list(APIS)}, got {out.api!r}")
+        if out.block_size is not None and (not isinstance(out.block_size, int) or out.block_size < 2):
+            raise ValueError(f"servers.{name}.block_size must be an integer >= 2 (or absent: no drafter)")
+        return out
+
+
+# -- the server's life ------------------------------------------------------------------------------------
+class Launched:
+    """A server process started by the bench: waits until it answers, stops its whole process group."""
+
+    def __init__(self, spec: ServerSpec, log: Path) -> None:
+        self.spec, self.log = spec, log
+        log.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log.open("w")
+        command = shlex.split(spec.launch) if isinstance(spec.launch, str) else [str(a) for a in spec.launch]
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **{k: str(v) for k, v in (spec.env or {}).items()})
+        try:
+            self.proc = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                         env=env)
+        except OSError as error:
+            self._log.close()
+            raise ValueError(f"cannot launch server {spec.name}: {error}") from None
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.spec.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ValueError(f"server {self.spec.name} exited with {self.proc.returncode} before it answered; "
+                                 f"the end of {self.log}:\n{_tail(self.log)}")
+            try:
+                with urllib.request.urlopen(self.spec.url.rstrip("/") + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            time.sleep(2)
+        raise ValueError(f"server {self.spec.name} did not answer within {self.spec.startup_timeout_s:.0f} s; "
+                         f"the end of {self.log}:\n{_tail(self.log)}")
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server's process group has used so far (its processes still alive)."""
+        return _group_cpu_s(self.proc.pid)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    self.proc.wait(timeout=wait)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        self._log.close()
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _group_cpu_s(pgid: int) -> float:
+    """utime + stime of every live process in process group `pgid`, from /proc (0 where /proc is absent)."""
+    total, tick = 0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(after) > 12 and int(after[2]) == pgid:  # fields after the name: state ppid pgrp ... utime stime
+            total += int(after[11]) + int(after[12])
+    return total / tick
+
+
+# -- requests -------------------------------------------------------------------------------------------
+def _post(url: str, body: dict, timeout: float) -> dict:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as error:
+        raise ValueError(f"{url} answered {error.code}: {error.read()[:300].decode(errors='replace')}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise ValueError(f"{url} did not answer: {error}") from None
+
+
+def _get(url: str, timeout: float = 30) -> str:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.read().decode(errors="replace")
+    except (urllib.error.URLError, OSError) as error:
+        raise ValueError(f"{url} did not answer: {error}") from None
+
+
+@dataclass
+class Reply:
+    text: str
+    tokens: int
+    seconds: float
+    verify_steps: int | None = None  # SGLang's spec_verify_ct
+
+
+class Client:
+    """One server's requests: a prompt of token ids in, the answer's text and token count out."""
+
+    def __init__(self, spec: ServerSpec) -> None:
+        self.spec, self.base = spec, spec.url.rstrip("/")
+        self.model = spec.model
+        if spec.api == "openai" and self.model is None:
+            models = json.loads(_get(self.base + "/v1/models"))["data"]
+            self.model = models[0]["id"]
+
+    def version(self) -> str | None:
+        try:
+            return json.loads(_get(self.base + "/version", timeout=5)).get("version")
+        except (ValueError, json.JSONDecodeError, AttributeError):
+            return None
+
+    def generate(self, ids: list[int], max_new_tokens: int, setting: dict, stops: list[int], seed: int) -> Reply:
+        sampling = dict(temperature=setting["temperature"], top_p=setting["top_p"])
+        if setting["top_k"] > 0:
+            sampling["top_k"] = setting["top_k"]
+        t0 = time.perf_counter()
+        if self.spec.api == "openai":
+            out = _post(self.base + "/v1/completions", dict(model=self.model, prompt=ids, max_tokens=max_new_tokens,
+                                                            stop_token_ids=stops, seed=seed, **sampling),
+                        self.spec.request_timeout_s)
+            seconds = time.perf_counter() - t0
+            return Reply(out["choices"][0]["text"], int(out["usage"]["completion_tokens"]), seconds)
+        out = _post(self.base + "/generate", dict(input_ids=ids, sampling_params=dict(
+            max_new_tokens=max_new_tokens, stop_token_ids=stops, sampling_seed=seed, **sampling)),
+            self.spec.request_timeout_s)
+        seconds = time.perf_counter() - t0
+        out = out if isinstance(out, dict) else out[0]
+        meta = out.get("meta_info") or {}
+        steps = meta.get("spec_verify_ct")
+        return Reply(out["text"], int(meta["completion_tokens"]), seconds, None if steps is None else int(steps))
+
+    def counters(self) -> dict[str, Any] | None:
+        """vLLM's cumulative spec-decode counters from /metrics (None where the server has none)."""
+        try:
+            text = _get(self.base + "/metrics", timeout=10)
+        except ValueError:
+            return None
+        return parse_spec_metrics(text)
+
+
+def parse_spec_metrics(text: str) -> dict[str, Any] | None:
+    """Prometheus text → {drafts, accepted, accepted_per_position} summed over engines (None: no counters)."""
+    out: dict[str, Any] = {"drafts": 0.0, "accepted": 0.0, "accepted_per_position": {}}
+    seen = False
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total)"
+                     r"(\{[^}]*\})?\s+([0-9.eE+-]+)$", line.strip())
+        if not m:
+            continue
+        seen, kind, value = True, m.group(2), float(m.group(4))
+        if kind == "drafts":
+            out["drafts"] += value
+        elif kind == "accepted_tokens":
+            out["accepted"] += value
+        else:
+            pos = re.search(r'position="(\d+)"', m.group(3) or "")
+            if pos:
+                key = int(pos.group(1))
+                out["accepted_per_position"][key] = out["accepted_per_position"].get(key, 0.0) + value
+    return out if seen else None
+
+
+# -- the tables -----------------------------------------------------------------------------------------
+def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict]) -> list[dict[str, Any]]:
+    """Every server over every (dataset, concurrency, setting) table: rows as the bench writes them."""
+    from .bench import SETTINGS, LoadMonitor, Run
+
+    runs: dict[tuple, dict[str, list]] = {}  # (dataset, conc, setting) → server name → [(rep, p, Run)]
+    info: dict[tuple, dict[str, dict]] = {}
+    for spec in cfg.servers.values():
+        launched = None
+        try:
+            if spec.launch:
+                print(f"starting server {spec.name} (log: {Path(cfg.out) / f'server_{spec.name}.log'})", flush=True)
+                launched = Launched(spec, Path(cfg.out) / f"server_{spec.name}.log")
+                launched.wait_ready()
+            client = Client(spec)
+            version = client.version()
+            first = next(iter(sets.values()))
+            _conversation(client, prompter, first, first.conversations[0], cfg, SETTINGS[cfg.settings[0]],
+                          stops, cfg.seed)  # untimed: first-call costs
+            for dataset, prompts in sets.items():
+                for conc in cfg.concurrency:
+                    for setting_name in cfg.settings:
+                        key = (dataset, conc, setting_name)
+                        monitor = LoadMonitor(server_cpu=launched.cpu_s if launched else None)
+                        before = client.counters()
+                        items, steps = _table(client, prompter, prompts, cfg, SETTINGS[setting_name], stops, conc)
+                        after = client.counters()
+                        load = monitor.record()
+                        load["server_cpu_counted"] = "own" if launched else "other"
+                        tables.append(dict(dataset=dataset, block_size=spec.block_size, concurrency=conc,
+                                           setting=setting_name, server=spec.name, **load))
+                        runs.setdefault(key, {})[spec.name] = items
+                        info.setdefault(key, {})[spec.name] = dict(
+                            spec=spec, version=version, load=load, steps=steps,
+                            spec_decode=_delta(before, after))
+        finally:
+            if launched:
+                launched.stop()
+                print(f"stopped server {spec.name}", flush=True)
+    return [row for key in runs for row in _rows(key, runs[key], info[key], cfg)]
+
+
+def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, stops: list[int], seed: int):
+    """One conversation's turns in order, each prompt holding the server's earlier answers: (Run, verify steps)."""
+    from .bench import Run
+
+    answers, total, steps = [], Run(0, 0.0), 0
+    for k in range(len(conv.turns)):
+        reply = client.generate(prompter.ids(prompts, conv, answers), cfg.max_new_tokens, setting, stops,
+                                seed + 100_000 * k)
+        answers.append(reply.text)
+        total = total + Run(reply.tokens, reply.seconds)
+        steps = None if steps is None or reply.verify_steps is None else steps + reply.verify_steps
+    return total, steps
+
+
+def _table(client: Client, prompter, prompts, cfg, setting: dict, stops: list[int], conc: int):
+    """`cfg.repetitions` passes over the set: [(rep, p, Run)] (p: the conversation at concurrency 1, 0 for
+    the whole set above) and the SGLang verify steps over all (None where not reported)."""
+    from .bench import Run
+
+    items, steps = [], 0
+    convs = prompts.conversations
+    for rep in range(cfg.repetitions):
+        seed = lambda p: cfg.seed + 1000 * rep + p  # noqa: E731
+        if conc == 1:
+            for p, conv in enumerate(convs):
+                run, s = _conversation(client, prompter, prompts, conv, cfg, setting, stops, seed(p))
+                items.append((rep, p, run))
+                steps = None if steps is None or s is None else steps + s
+            continue
+        t0 = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=conc) as pool:
+            done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting, stops,
+                                                          seed(pc[0])), enumerate(convs)))
+        wall = time.perf_counter() - t0
+        items.append((rep, 0, Run(sum(r.new_tokens for r, _ in done), wall)))
+        for _, s in done:
+            steps = None if steps is None or s is None else steps + s
+    return items, steps
+
+
+def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    if before is None or after is None:
+        return None
+    positions = sorted(after["accepted_per_position"])
+    return dict(drafts=after["drafts"] - before["drafts"], accepted=after["accepted"] - before["accepted"],
+                accepted_per_position=[after["accepted_per_position"][i] - before["accepted_per_position"].get(i, 0.0)
+                                       for i in positions])
+
+
+def _rows(key: tuple, runs: dict[str, list], info: dict[str, dict], cfg) -> list[dict[str, Any]]:
+    from .bench import SETTINGS, _quartiles, _ratios, _tokens_per_s
+
+    dataset, conc, setting_name = key
+    plain = next((n for n in runs if info[n]["spec"].block_size is None), None)
+    base = {(rep, p): r for rep, p, r in runs[plain]} if plain else {}
+    rows = []
+    for name, items in runs.items():
+        spec, data = info[name]["spec"], info[name]
+        ratios = _ratios(items, base)
+        tokens = sum(r.new_tokens for _, _, r in items)
+        row = dict(method=name, dataset=dataset, block_size=spec.block_size, concurrency=conc, setting=setting_name,
+                   **SETTINGS[setting_name], engine="server" + (f" {data['version']}" if data["version"] else ""),
+                   url=spec.url, api=spec.api, tokens_per_s=_tokens_per_s(items), new_tokens=tokens, runs=len(items),
+                   speedup=statistics.median(ratios) if ratios else None,
+                   speedup_vs=plain, busy=data["load"]["busy"])
+        spread = _quartiles(ratios)
+        if spread is not None:
+            row["speedup_q1"], row["speedup_q3"] = spread
+        sd, steps = data["spec_decode"], data["steps"]
+        if spec.block_size is None:
+            row["tau"] = 1.0
+        elif sd and sd["drafts"] > 0:
+            row["tau"] = 1 + sd["accepted"] / sd["drafts"]
+            row["acceptance_by_position"] = [a / sd["drafts"] for a in sd["accepted_per_position"]]
+        elif steps:
+            row["tau"] = tokens / steps
+        else:
+            row["tau"] = None  # the server reports no acceptance
+        rows.append(row)
+    return rows
