@@ -125,6 +125,8 @@ BUSY = 0.1  # other processes' CPU seconds per wall second above which a table i
 class BenchConfig:
     target: str = "embedded"  # an HF directory / hub id, or "embedded"
     tokenizer: str | None = None  # default: the target's
+    device: str = "cpu"  # where the target and drafters run: cpu, cuda, cuda:1, ...
+    target_dtype: str = "float32"  # of the target (bfloat16 on a GPU: the dtype the cards serve in)
     drafters: dict[str, str] = field(default_factory=lambda: {"dflash1": "embedded:dflash1",
                                                                "dflash2": "embedded:dflash2"})
     ar_draft: str | None = "embedded:ar_draft"
@@ -140,6 +142,7 @@ class BenchConfig:
     # api: openai | sglang, block_size: the server's draft block (None: plain decoding)}: server mode
     # (dflash2/bench_server.py), the same suites sent to an OpenAI-compatible endpoint
     servers: dict[str, dict] = field(default_factory=dict)
+    server_concurrency: list[int] | None = None  # the servers' concurrency levels (default: `concurrency`)
     num_prompts: int = 40
     max_new_tokens: int = 128
     block_sizes: list[int] = field(default_factory=lambda: [8, 16])
@@ -171,6 +174,10 @@ class BenchConfig:
 
     def __post_init__(self) -> None:
         self.drafter_dtypes = [resolve_dtype(d) for d in self.drafter_dtypes]
+        if self.target_dtype not in DTYPES:
+            raise ValueError(f"target_dtype must be one of {list(DTYPES)}, got {self.target_dtype!r}")
+        if self.device != "cpu" and self.quick:
+            raise ValueError("--quick runs on the CPU")
         bad = sorted(set(self.methods) - set(ALL_METHODS) - set(VLLM_METHODS))
         if bad:
             raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS + VLLM_METHODS)}")
@@ -202,6 +209,8 @@ class BenchConfig:
         from .bench_server import ServerSpec
 
         self.servers = {name: ServerSpec.parse(name, spec) for name, spec in self.servers.items()}
+        if self.server_concurrency is not None and any(not isinstance(c, int) or c < 1 for c in self.server_concurrency):
+            raise ValueError(f"server_concurrency must be positive integers, got {self.server_concurrency}")
         if self.servers and self.quick:
             raise ValueError("servers need a real target directory; --quick runs random in-memory models")
         bad = sorted(set(self.settings) - set(SETTINGS))
@@ -302,6 +311,8 @@ def load_note(load: dict[str, Any]) -> str:
     if load.get("busy"):
         return f"**Busy machine: other processes used {other} CPU s per s while this table ran; its timings are not " \
                f"results.** ({text})"
+    if load.get("busy_judged_by") == "tables":  # launched servers' start-up counts as other processes here
+        text += " (the servers the bench launched started up in this window; quiet or busy is judged by the tables)"
     return f"Quiet machine: {text}." if load.get("busy") is False else f"Load: {text}."
 
 
@@ -317,14 +328,17 @@ def load_models(cfg: BenchConfig):
 
     if cfg.quick:
         return _quick_models()
+    if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {cfg.device!r}: CUDA is not available on this machine")
     target_dir = _resolve(cfg.target)
     tokenizer = AutoTokenizer.from_pretrained(_resolve(cfg.tokenizer) if cfg.tokenizer else target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    drafters = {name: DFlash2Drafter.from_pretrained(_resolve(path), dtype=torch.float32).eval()
-                for name, path in cfg.drafters.items()}
+    dtype = DTYPES[cfg.target_dtype]
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(cfg.device).eval()
+    drafters = {name: DFlash2Drafter.from_pretrained(_resolve(path), device=cfg.device, dtype=torch.float32).eval()
+                for name, path in cfg.drafters.items()}  # cast per drafter_dtypes row by row
     ar_draft = None
     if cfg.ar_draft and "hf_assisted" in cfg.methods:
-        ar_draft = AutoModelForCausalLM.from_pretrained(_resolve(cfg.ar_draft), dtype=torch.float32).eval()
+        ar_draft = AutoModelForCausalLM.from_pretrained(_resolve(cfg.ar_draft), dtype=dtype).to(cfg.device).eval()
     return tokenizer, target, drafters, ar_draft
 
 
@@ -427,10 +441,11 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             torch.manual_seed(seed)
             sample = setting["temperature"] > 0
             kwargs = dict(do_sample=True, **setting) if sample else dict(do_sample=False)
+            ids = ids.to(target.device)
             t0 = time.perf_counter()
             out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
                                   eos_token_id=stops, pad_token_id=stops[0], **kwargs, **extra)
-            new = out[0, ids.shape[1]:].tolist()
+            new = out[0, ids.shape[1]:].tolist()  # (on the host: the clock stops after the device is done)
             return Run(len(new), time.perf_counter() - t0, outputs=[new])
         return run
 
@@ -587,7 +602,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     sets = {d: load_prompt_set(d, cfg.num_prompts, cfg.dataset_files.get(d)) for d in cfg.datasets}
     for prompts in sets.values():
         prompter.check(prompts)
-    rows, tables, whole = [], [], LoadMonitor()
+    servers_cpu: list[float] = []  # launched servers' CPU seconds: the bench's own in the whole run's record
+    rows, tables, whole = [], [], LoadMonitor(server_cpu=lambda: sum(servers_cpu))
     sources = {d: ps.source + (", chat template" + ("" if cfg.enable_thinking is None else
                                                     f", enable_thinking={cfg.enable_thinking}")
                                if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
@@ -633,13 +649,18 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                 f", launched by the bench: `{launch}`)" if launch else ", already running)")
 
         ours = {(r["dataset"], r["concurrency"], r["setting"]): r for r in rows if r["method"] == "ar"}
-        served = run_servers(cfg, prompter, sets, stops, tables)
+        served = run_servers(cfg, prompter, sets, stops, tables, servers_cpu)
         for row in served:
             ar = ours.get((row["dataset"], row["concurrency"], row["setting"]))
             row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar["tokens_per_s"] if ar else None
         rows += served
         _fastest_plain(rows)
-    write_outputs(cfg, rows, sources, dict(whole.record(), tables=tables))
+    load = whole.record()
+    if any(spec.launch for spec in cfg.servers.values()):
+        # a launched server's start-up runs in processes that are gone before the run ends, so the whole
+        # run's other_cpu cannot tell it from another process: the run is busy when one of its tables is
+        load.update(busy=any(t["busy"] for t in tables), busy_judged_by="tables")
+    write_outputs(cfg, rows, sources, dict(load, tables=tables))
     return rows
 
 

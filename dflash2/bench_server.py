@@ -128,7 +128,13 @@ class Launched:
         """CPU seconds the server's process group has used so far (its processes still alive)."""
         return _group_cpu_s(self.proc.pid)
 
-    def stop(self) -> None:
+    def stop(self) -> float:
+        """Stop the group; returns the CPU seconds it used that this process's own rusage will not count
+        (its live processes' time, minus what reaping the launched process adds to RUSAGE_CHILDREN)."""
+        import resource
+
+        used = self.cpu_s()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         if self.proc.poll() is None:
             for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
                 try:
@@ -141,6 +147,9 @@ class Launched:
                 except subprocess.TimeoutExpired:
                     continue
         self._log.close()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        reaped = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+        return max(0.0, used - reaped)
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -259,8 +268,11 @@ def parse_spec_metrics(text: str) -> dict[str, Any] | None:
 
 
 # -- the tables -----------------------------------------------------------------------------------------
-def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict]) -> list[dict[str, Any]]:
-    """Every server over every (dataset, concurrency, setting) table: rows as the bench writes them."""
+def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
+                servers_cpu: list[float] | None = None) -> list[dict[str, Any]]:
+    """Every server over every (dataset, concurrency, setting) table: rows as the bench writes them.
+    `servers_cpu` gets the CPU seconds of each launched server (its start-up included), which the
+    whole run's load record counts as the bench's own."""
     from .bench import SETTINGS, LoadMonitor, Run
 
     runs: dict[tuple, dict[str, list]] = {}  # (dataset, conc, setting) → server name → [(rep, p, Run)]
@@ -278,7 +290,7 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict])
             _conversation(client, prompter, first, first.conversations[0], cfg, SETTINGS[cfg.settings[0]],
                           stops, cfg.seed)  # untimed: first-call costs
             for dataset, prompts in sets.items():
-                for conc in cfg.concurrency:
+                for conc in cfg.server_concurrency or cfg.concurrency:
                     for setting_name in cfg.settings:
                         key = (dataset, conc, setting_name)
                         monitor = LoadMonitor(server_cpu=launched.cpu_s if launched else None)
@@ -295,7 +307,9 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict])
                             spec_decode=_delta(before, after))
         finally:
             if launched:
-                launched.stop()
+                spent = launched.stop()
+                if servers_cpu is not None:
+                    servers_cpu.append(spent)
                 print(f"stopped server {spec.name}", flush=True)
     return [row for key in runs for row in _rows(key, runs[key], info[key], cfg)]
 
