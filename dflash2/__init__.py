@@ -12,6 +12,7 @@ from .conv import NoConv, TwoTapDynamicConv
 from .drafter import DFlash2Drafter
 from .embedded import load_embedded
 from .heads import CandidateHead, Candidates
+from .interfaces import BatchDrafter, CheckedDrafter, Drafter, Selector, TreeDrafter
 from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_generate
 from .rng import RandomSource, TorchRandom
 from .sampling import SamplingParams, greedy_token, process_logits
@@ -24,7 +25,7 @@ from .verify import Draft, Verdict, commit, verify_block
 __version__ = "0.1.0"
 
 __all__ = [
-    "ArgmaxSelector", "AutoregressiveDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
+    "ArgmaxSelector", "AutoregressiveDrafter", "BatchDrafter", "CheckedDrafter", "Drafter", "Selector", "TreeDrafter", "BlockDiffusionBackbone", "CandidateHead", "Candidates",
     "ContextCache", "DFlash2Config", "DFlash2Drafter", "Draft", "GenerationResult", "NoConv", "RandomSource",
     "SamplingParams", "StaticTarget", "TargetAdapter", "TokenTree", "TorchRandom", "TreeVerdict", "TwoTapDynamicConv", "Verdict", "ViterbiSelector",
     "WalkSelector", "ar_generate", "ar_generate_batch", "best_first_tree", "commit", "default_target_layer_ids", "greedy_token", "load_embedded", "process_logits",

@@ -27,7 +27,7 @@ from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
 from .rng import RandomSource
-from .selector import CodebookSelector, build_selector
+from .selector import build_selector
 from .target import TargetAdapter
 from .tree import TokenTree, best_first_tree
 from .verify import Draft
@@ -203,10 +203,18 @@ class DFlash2Drafter(nn.Module):
             nn.init.zeros_(layer.mlp.down_proj.weight)
         return copy
 
-    # -- the Drafter protocol used by spec_generate ----------------------------------------------
+    # -- dflash2.interfaces: Drafter, TreeDrafter, BatchDrafter, CheckedDrafter --------------------
     @property
     def block_size(self) -> int:
         return self.config.block_size
+
+    def check_target(self, target: TargetAdapter) -> None:
+        """The target must have the hidden size, vocabulary and number of layers this drafter was built for."""
+        for name, theirs in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
+                             ("num_target_layers", target.num_layers)):
+            ours = getattr(self.config, name)
+            if ours != theirs:
+                raise ValueError(f"drafter and target do not fit: drafter {name} = {ours}, target {name} = {theirs}")
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -242,7 +250,7 @@ class DFlash2Drafter(nn.Module):
             return [Draft(torch.zeros(0, dtype=torch.long, device=f.device)) for f in new_features]
         hidden, cands = self._candidates_batch(context, anchors, target, L)
         selector = self.candidate_selector
-        if temperature == 0 and hasattr(selector, "select_batch"):  # deterministic: all rows at once
+        if temperature == 0:  # deterministic: all rows at once
             return selector.select_batch(cands, hidden, anchors)
         return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
                 for r in range(len(anchors))]
@@ -258,7 +266,7 @@ class DFlash2Drafter(nn.Module):
         if L <= 0:
             return TokenTree.empty(new_features.device)
         hidden, cands = self._candidates(cache, anchor, target, L)
-        return best_first_tree(cands.ids, *self._lattice(cands, hidden, anchor), max_nodes)
+        return best_first_tree(cands.ids, *self.candidate_selector.lattice(cands, hidden, anchor), max_nodes)
 
     @torch.no_grad()
     def propose_tree_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
@@ -271,7 +279,7 @@ class DFlash2Drafter(nn.Module):
         if L <= 0:
             return [TokenTree.empty(f.device) for f in new_features]
         hidden, cands = self._candidates_batch(context, anchors, target, L)  # [R, L, H], [R, L, K]
-        first, steps = self._lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
+        first, steps = self.candidate_selector.lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
         return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
 
@@ -297,14 +305,6 @@ class DFlash2Drafter(nn.Module):
         hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
                                slots=slots, key_positions=slot)[:, 1:]  # [R, L, H]
         return hidden, self.draft_candidates(hidden, target)  # ids, U: [R, L, K]
-
-    def _lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
-        """Scores of the B×K lattice: first [..., K] from the anchor, steps [..., L-1, K, K] (the
-        selector's, or for argmax (DFlash-1) the unary scores alone)."""
-        if isinstance(self.candidate_selector, CodebookSelector):
-            return self.candidate_selector.lattice(cands, hidden, anchor)
-        K = cands.ids.shape[-1]
-        return cands.scores[..., 0, :], cands.scores[..., 1:, None, :].expand(*cands.scores.shape[:-2], -1, K, K)
 
     def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""

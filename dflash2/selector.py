@@ -16,7 +16,9 @@ hidden state at t. The path starts from the anchor. Variants, chosen by `config.
              log-softmaxes. (The sum of raw scores S would ignore each step's normaliser, which
              depends on the predecessor: docs/architecture.md, "Scores of the path selector".)
 
-P is zero at init, so every selector starts as argmax and learns to deviate.
+P is zero at init, so every selector starts as argmax and learns to deviate. Every selector is a
+`dflash2.interfaces.Selector`: a path per sequence, a batched deterministic path, and the lattice's
+scores (which token trees are grown from).
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class ArgmaxSelector(nn.Module):
     def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
         """cands [R, L, K] → one Draft per row (what forward gives row by row)."""
         return [Draft(row) for row in cands.ids[:, :, 0]]
+
+    def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
+        """The unary scores alone (DFlash-1): first [..., K], steps [..., L-1, K, K] that do not depend
+        on the predecessor."""
+        K = cands.ids.shape[-1]
+        return cands.scores[..., 0, :], cands.scores[..., 1:, None, :].expand(*cands.scores.shape[:-2], -1, K, K)
 
 
 class CodebookSelector(nn.Module):
@@ -98,7 +106,6 @@ class WalkSelector(CodebookSelector):
             return Draft(tokens, cands.ids, torch.stack(qs))
         return Draft(tokens)
 
-
     def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
         """The greedy (T=0) walk of R rows at once: cands [R, L, K], hidden [R, L, H]."""
         R, L, K = cands.ids.shape
@@ -119,6 +126,11 @@ class ViterbiSelector(CodebookSelector):
         first, steps = self.lattice(cands, hidden, anchor)  # [K], [L-1, K, K]
         path = viterbi_path(first.log_softmax(-1), steps.log_softmax(-1))  # per-step normalised
         return Draft(cands.ids.gather(1, path[:, None])[:, 0])
+
+    def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
+        """Row by row (the path is exact and deterministic at any temperature)."""
+        return [self(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], 0.0, None)
+                for r in range(len(anchors))]
 
 
 def viterbi_path(first: Tensor, steps: Tensor) -> Tensor:

@@ -33,3 +33,22 @@ def test_every_config_loads(path):
     else:  # a drafter diff (python -m dflash2.generate --config ...)
         fields = {f.name for f in dataclasses.fields(DFlash2Config)}
         assert set(raw) <= fields, set(raw) - fields
+
+
+@pytest.mark.parametrize("kind", ["dflash2", "dflash1"])
+def test_every_training_stage_is_the_base_plus_overrides(kind):
+    """The embedded drafters' stages (experiments/embedded/train_drafters.sh) load as valid configs."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    outs = set()
+    for stage in range(1, 8):
+        overrides = subprocess.run(["bash", "experiments/embedded/train_drafters.sh", "--overrides", str(stage), kind],
+                                   cwd=root, capture_output=True, text=True, check=True).stdout.split()
+        cfg = load_config(root / f"configs/embedded_{kind}.yaml", overrides)
+        assert (cfg.init is None) == (stage == 1) and cfg.drafter["conv"] == ("two_tap" if kind == "dflash2" else "none")
+        outs.add(cfg.out)
+    assert len(outs) == 7  # every stage writes its own run
+    bad = subprocess.run(["bash", "experiments/embedded/train_drafters.sh", "--overrides", "9", kind], cwd=root,
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "unknown stage 9" in bad.stderr

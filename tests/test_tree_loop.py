@@ -17,7 +17,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dflash2.loop as loop_mod
+import dflash2.round as round_mod
 from dflash2 import DFlash2Drafter, SamplingParams, TargetAdapter, process_logits, spec_generate
 from dflash2.tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
 from dflash2.verify import verify_deterministic
@@ -291,7 +291,7 @@ def first_accepting_path(tree, logits, params, rng) -> TreeVerdict:
 
 @pytest.mark.parametrize("mutant", [longest_accepted_path, first_accepting_path], ids=lambda f: f.__name__)
 def test_tree_mutants_in_the_loop_are_detected(mutant, monkeypatch):
-    monkeypatch.setattr(loop_mod, "verify_tree", mutant)
+    monkeypatch.setattr(round_mod, "verify_tree", mutant)  # the round both loops share
     params = PARAMS["T1"]
     got, _ = tree_distribution(stub_tree((2, 1)), params, n_new=3)
     deviation = max_abs_diff(got, ar_distribution(params, n_new=3))

@@ -1,0 +1,105 @@
+"""What a drafter and a selector may implement: the declared interfaces the loops check against.
+
+    Drafter          propose one path per round                    spec_generate(verify="path")
+    TreeDrafter      + propose_tree: a token tree per round        spec_generate(verify="tree")
+    BatchDrafter     + new_context_batch, propose_batch,           spec_generate_batch: every row in one
+                       propose_tree_batch                          drafter pass (else one cache per row)
+    CheckedDrafter   + check_target: refuses a target it cannot    every loop, before the first pass
+                       read (sizes, layers)
+    Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector)
+
+A new drafter implements `Drafter` (and the others where it can); nothing else is probed. The loops
+check with isinstance against these runtime-checkable protocols (which test that the members exist;
+their signatures are the contract below). tests/test_interfaces.py decodes losslessly with a drafter
+written against `Drafter` alone.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from .heads import Candidates
+from .rng import RandomSource
+from .tree import TokenTree
+from .verify import Draft
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """What spec_generate needs: the block size, the target layers whose features it reads, a fresh
+    per-sequence cache, and one path per round."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]: ...
+
+    def new_cache(self) -> object: ...
+
+    def propose(self, cache: object, anchor: int, new_features: Tensor | None, target, temperature: float,
+                rng: RandomSource) -> Draft:
+        """Extend `cache` by the target's features of the last committed positions (new_features
+        [1, n, F], None for a drafter that reads no layers), then draft up to block_size - 1 tokens after
+        `anchor`. At temperature > 0 the Draft carries the proposal distribution q it drew from."""
+        ...
+
+
+@runtime_checkable
+class TreeDrafter(Drafter, Protocol):
+    def propose_tree(self, cache: object, anchor: int, new_features: Tensor | None, target, max_nodes: int,
+                     max_depth: int) -> TokenTree:
+        """As `propose`, but a token tree of at most `max_nodes` nodes and depth `max_depth`
+        (deterministic at every temperature: the tree verifier decides node by node)."""
+        ...
+
+
+@runtime_checkable
+class BatchDrafter(Drafter, Protocol):
+    def new_context_batch(self) -> object:
+        """The shared context of a batch of rows (no rows yet); the batched loop adds and drops rows
+        with its `add_rows(n)` and `select_rows(indices)` as rows join and leave."""
+        ...
+
+    def propose_batch(self, context: object, anchors: list[int], new_features: list[Tensor], target,
+                      temperature: float, rng: RandomSource) -> list[Draft]:
+        """Row r as `propose(row r's cache, anchors[r], new_features[r], ...)`, all rows in one pass."""
+        ...
+
+    def propose_tree_batch(self, context: object, anchors: list[int], new_features: list[Tensor], target,
+                           max_nodes: int, max_depths: list[int]) -> list[TokenTree]:
+        """Row r as `propose_tree(...)` with max_depths[r], all rows in one pass."""
+        ...
+
+
+@runtime_checkable
+class CheckedDrafter(Drafter, Protocol):
+    def check_target(self, target) -> None:
+        """Raise ValueError naming what does not fit when this drafter cannot read `target` (a
+        TargetAdapter): its hidden size, vocabulary or number of layers."""
+        ...
+
+
+@runtime_checkable
+class Selector(Protocol):
+    """A path selector over the candidate lattice: cands [L, K] (ids, unary scores U), hidden [L, H]."""
+
+    trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores`
+
+    def __call__(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
+                 rng: RandomSource) -> Draft: ...
+
+    def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
+        """The deterministic (T = 0) selection of R rows at once: cands [R, L, K], hidden [R, L, H]."""
+        ...
+
+    def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
+        """Scores of the lattice: first [..., K] from the anchor, steps [..., L-1, K, K] (unaries
+        included); a path's score is first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]. Token trees are
+        grown from these scores."""
+        ...
+
+
+__all__ = ["BatchDrafter", "CheckedDrafter", "Drafter", "Selector", "TreeDrafter"]
