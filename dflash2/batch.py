@@ -16,8 +16,9 @@ The target cache is one [R, heads, S, head_dim] tensor per layer. Rows keep diff
 tokens, so a slot may be live in one row and dead in another: `valid` [R, S] records which slots are
 live and `pos` [R, S] their positions; every pass gets a custom attention mask built from them
 (causal by position, sliding windows by position). Columns dead in every row are dropped once they
-are a quarter of the slots (compacting copies the whole cache, so it is not done every round). Per row this is exactly `spec_generate`: the
-same drafter calls, the same verifier, the same commit rule (tests/test_batch.py).
+are a quarter of the slots (compacting copies the whole cache, so it is not done every round). Per row
+this is exactly `spec_generate`: the same round (dflash2/round.py), the same drafter calls, the same
+verifier, the same commit rule (tests/test_batch.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from .loop import AutoregressiveDrafter, GenerationResult
 from .rng import RandomSource, TorchRandom
 from .round import decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams
-from .target import TargetAdapter, cat_rows_left_padded
+from .target.adapter import TargetAdapter, cat_rows_left_padded
 from .tree import TokenTree
 
 
@@ -215,6 +216,16 @@ def _prefill(tgt: TargetAdapter, prompts: list[Tensor]):
                               keep_logits=1)  # left padding: column T-1 is every row's last prompt token
     features = [None if step.features is None else step.features[r: r + 1, valid[r]] for r in range(len(prompts))]
     return cache, valid, pos, step.logits[:, -1], features
+
+
+def left_pad(prompts, pad: int = 0) -> tuple[Tensor, Tensor]:
+    """Prompts of different lengths (lists of ids, or [T] / [1, T] tensors) → input_ids [N, T] and
+    attention_mask [N, T], left-padded with `pad`: what spec_generate_batch takes."""
+    rows = [p.reshape(-1).tolist() if isinstance(p, Tensor) else list(p) for p in prompts]
+    T = max(len(r) for r in rows)
+    ids = torch.tensor([[pad] * (T - len(r)) + r for r in rows], dtype=torch.long)
+    mask = torch.tensor([[0] * (T - len(r)) + [1] * len(r) for r in rows], dtype=torch.long)
+    return ids, mask
 
 
 def ar_generate_batch(target, input_ids: Tensor, attention_mask: Tensor | None = None,

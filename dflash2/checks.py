@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import torch
 from torch import Tensor
 
 from .interfaces import CheckedDrafter, Drafter, TreeDrafter
-from .target import TargetAdapter
+from .target.adapter import TargetAdapter
+
+
+def looks_like_hub_id(name: str | Path) -> bool:
+    """owner/name as the Hugging Face hub spells a repository: what a missing local path is not."""
+    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name)) is not None
 
 
 def adapt_target(drafter: Drafter, target) -> TargetAdapter:

@@ -22,13 +22,13 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
 from . import reference_format
-from .checkpoint import looks_like_hub_id
+from .checks import looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
 from .rng import RandomSource
 from .selector import build_selector
-from .target import TargetAdapter
+from .target.adapter import TargetAdapter
 from .tree import TokenTree, best_first_tree
 from .verify import Draft
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
-from .checkpoint import looks_like_hub_id
+from .checks import looks_like_hub_id
 from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
@@ -31,7 +31,8 @@ GREEN, RESET = "\033[32m", "\033[0m"
 COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
 # The embedded target knows the standard library's style: a signature and a docstring, as in its
 # training data (a bare `def fibonacci(n):` gets few accepted drafts: docs/results.md).
-DEFAULT_PROMPT = 'import os\n\n\ndef walk_files(top, suffix=".py"):\n    """Yield the path of every file under *top* whose name ends with *suffix*."""\n'
+DEFAULT_PROMPT = ('import os\n\n\ndef walk_files(top, suffix=".py"):\n'
+                  '    """Yield the path of every file under *top* whose name ends with *suffix*."""\n')
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

@@ -2,7 +2,7 @@
 
     python experiments/context_window.py [--window 128] [--lengths 64,256,512,1024]
 
-Prompts are the last N tokens of held-out standard-library files (dflash2/corpus.py), followed by a
+Prompts are the last N tokens of held-out standard-library files (dflash2/embedded/corpus.py), followed by a
 cut at a line start so the continuation is code. For each N the embedded DFlash-2 drafter decodes
 greedily with its full context and with `context_window=W` (same weights, window applied at
 inference; outputs stay identical to AR either way, which the script checks). Writes
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
-from dflash2.corpus import read_texts  # noqa: E402
+from dflash2.embedded.corpus import read_texts  # noqa: E402
 
 
 def main() -> int:

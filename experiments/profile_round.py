@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import TargetAdapter, TorchRandom, load_embedded  # noqa: E402
-from dflash2.bench import cpu_description  # noqa: E402
-from dflash2.prompt_sets import load_prompts  # noqa: E402
+from dflash2.bench.config import cpu_description  # noqa: E402
+from dflash2.bench.prompts import load_prompts  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:

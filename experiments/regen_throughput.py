@@ -37,9 +37,9 @@ def main() -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash2.bench import LoadMonitor
+    from dflash2.bench.machine import LoadMonitor
     from dflash2.embedded import embedded_path
-    from dflash2.train_data import HFBackend, Sampling, VLLMBackend, load_conversations, render
+    from dflash2.train.data import HFBackend, Sampling, VLLMBackend, load_conversations, render
 
     torch.set_num_threads(args.threads)
     target_dir = embedded_path("target")

@@ -45,13 +45,14 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/results/roofline.json"))
     parser.add_argument("--context", type=int, default=300, help="cached positions before each measured pass")
     args = parser.parse_args(argv)
-    from dflash2.bench import LoadMonitor, cpu_description
+    from dflash2.bench.config import cpu_description
+    from dflash2.bench.machine import LoadMonitor
 
     torch.set_grad_enabled(False)
     monitor = LoadMonitor()
     _, target, drafter = load_embedded("dflash2")
     big = torch.ones(64 * 1024 * 1024)  # 256 MB
-    bandwidth = big.numel() * 4 / timed(lambda: big.sum(), repeat=10)
+    bandwidth = big.numel() * 4 / timed(big.sum, repeat=10)
     del big
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)

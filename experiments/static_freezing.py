@@ -27,7 +27,7 @@ if sys.argv[1] == "freezing":
     inductor_config.freezing = True
 from dflash2 import StaticTarget, ar_generate
 from dflash2.embedded import load_embedded
-from dflash2.prompt_sets import load_prompts
+from dflash2.bench.prompts import load_prompts
 torch.set_num_threads(2)
 tok, target, _ = load_embedded("dflash2")
 fast = StaticTarget(target, (), compile=True)
@@ -52,7 +52,7 @@ def main() -> int:
     p.add_argument("--processes", type=int, default=3)
     args = p.parse_args()
     sys.path.insert(0, str(ROOT))
-    from dflash2.bench import LoadMonitor
+    from dflash2.bench.machine import LoadMonitor
 
     monitor, runs = LoadMonitor(), []
     for rep in range(args.processes):

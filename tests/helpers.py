@@ -14,7 +14,7 @@ import transformers
 from torch import Tensor
 
 from dflash2 import Draft, RandomSource, TargetAdapter
-from dflash2.target import HYBRID_MIN_TRANSFORMERS, transformers_version
+from dflash2.target.adapter import HYBRID_MIN_TRANSFORMERS, transformers_version
 
 VOCAB = 48
 # torch.compile's CPU backend builds C++: tests that compile need a compiler (CXX, or g++)
@@ -104,6 +104,21 @@ def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: f
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
     return model
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_drafter(arch: str = "qwen3", block_size: int = 4, *, seed: int = 0, vocab: int = VOCAB, target_seed: int = 0,
+                 pairwise_std: float = 0.0, **fields):
+    """A random DFlash2Drafter (its weights from `seed`) over tiny_target(arch, vocab, target_seed), with
+    the config `fields`; pairwise_std > 0 draws the selector's projection P from N(0, std²), so the
+    walk's choices depend on their predecessors. Cached: callers derive variants with `with_config`."""
+    from dflash2 import DFlash2Drafter
+
+    torch.manual_seed(seed)
+    d = DFlash2Drafter.from_target(tiny_target(arch, vocab=vocab, seed=target_seed), block_size=block_size, **fields)
+    if pairwise_std > 0:
+        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=pairwise_std)
+    return d
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_token_ids=None) -> list[int]:

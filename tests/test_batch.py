@@ -16,10 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2 import (DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, process_logits,
-                     spec_generate_batch)
+from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
+from dflash2.batch import left_pad
+from dflash2.sampling import process_logits
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
-                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, tiny_target)
+                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, tiny_drafter,
+                           tiny_target)
 
 
 class RowOracle:
@@ -48,18 +50,9 @@ class RowOracle:
         return Draft(torch.tensor(out, dtype=torch.long))
 
 
-def left_pad(prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    T = max(len(p) for p in prompts)
-    ids = torch.tensor([[0] * (T - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (T - len(p)) + [1] * len(p) for p in prompts])
-    return ids, mask
-
-
-@functools.lru_cache(maxsize=None)
 def dflash_drafter(arch: str, block_size: int) -> DFlash2Drafter:
-    torch.manual_seed(block_size)
-    return DFlash2Drafter.from_target(tiny_target(arch), block_size=block_size, selector_top_k=3, selector_rank=8,
-                                      mask_token_id=VOCAB - 1, num_layers=1)
+    return tiny_drafter(arch, block_size, seed=block_size, selector_top_k=3, selector_rank=8, mask_token_id=VOCAB - 1,
+                        num_layers=1)
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -147,12 +140,9 @@ def small_target():
 
 
 def small_drafter(selector: str) -> DFlash2Drafter:
-    torch.manual_seed(11)
-    d = DFlash2Drafter.from_target(small_target(), block_size=3, selector=selector, selector_top_k=2, selector_rank=4,
-                                   mask_token_id=V - 1)
-    if selector == "walk":  # a non-trivial pairwise term: the sampled walk's q depends on its path
-        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=3.0)
-    return d
+    # the walk with a non-trivial pairwise term: the sampled walk's q depends on its path
+    return tiny_drafter("qwen3", 3, seed=11, vocab=V, target_seed=3, pairwise_std=3.0 if selector == "walk" else 0.0,
+                        selector=selector, selector_top_k=2, selector_rank=4, mask_token_id=V - 1)
 
 
 # the sampled walk (sparse stochastic q) at top-k 2; a deterministic path (one-hot q) at T=1

@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from dflash2.bench import ALL_METHODS, main
+from dflash2.bench import main
+from dflash2.bench.config import ALL_METHODS
 from tests.helpers import HAS_CXX_COMPILER
 
 
@@ -80,7 +81,7 @@ def test_load_monitor_sees_another_busy_process():
     import sys
     import time
 
-    from dflash2.bench import LoadMonitor
+    from dflash2.bench.machine import LoadMonitor
 
     spin = "import time\nt = time.time()\nwhile time.time() - t < 1.0: pass"
 
@@ -148,7 +149,7 @@ def test_draft_vocab_and_compiled_rows(tmp_path, capsys):
 
 def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
     """auto: bfloat16 only where it is native (a CPU with bfloat16 matmuls, or CUDA); the CPU is named."""
-    import dflash2.bench as bench
+    import dflash2.bench.config as bench
 
     monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
     for native, want in ((True, "bfloat16"), (False, "float32")):
@@ -163,7 +164,7 @@ def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
 def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
     """target_steps=[hf, static] adds _static rows (eager here: the compiled step is tested in
     tests/test_static_target.py); greedy, they commit the same tokens, so τ and counts agree."""
-    import dflash2.static_target as static_target
+    import dflash2.target.static as static_target
 
     original = static_target.StaticTarget.__init__
     monkeypatch.setattr(static_target.StaticTarget, "__init__",

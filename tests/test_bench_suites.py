@@ -15,9 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.bench import Prompter, Run, converse, main
-from dflash2.bench_server import ServerSpec, parse_spec_metrics
-from dflash2.prompt_sets import INSTRUCT, REASON, SUITES, load_prompt_set
+from dflash2.bench import Run, main
+from dflash2.bench.run import Prompter, converse
+from dflash2.bench.server import ServerSpec, parse_spec_metrics
+from dflash2.bench.prompts import INSTRUCT, REASON, SUITES, load_prompt_set
 
 FAKE = Path(__file__).with_name("fake_server.py")
 SUITE_TURNS = {
@@ -94,8 +95,8 @@ def test_prompt_sets_from_the_package_local_files_and_the_hub(tmp_path, monkeypa
 def test_a_second_turn_holds_the_methods_own_first_answer():
     """mt-bench: turn 2's prompt is the chat template over [user 1, the method's answer 1, user 2]."""
     from dflash2.embedded import load_embedded
-    from dflash2.prompt_sets import PromptSet
-    from dflash2.train_data import Conversation
+    from dflash2.bench.prompts import PromptSet
+    from dflash2.train.data import Conversation
 
     tokenizer = load_embedded("dflash2")[0]
     prompter = Prompter(tokenizer, "auto", enable_thinking=True)
@@ -212,7 +213,7 @@ def test_server_mode_reads_tau_from_the_engine(tmp_path):
         assert plain["block_size"] is None and spec["block_size"] == 16
     assert rows["spec", 1]["runs"] == 4 and rows["spec", 2]["runs"] == 2  # per prompt alone; the set at once
     from dflash2.embedded import load_embedded
-    from dflash2.prompt_sets import load_prompts
+    from dflash2.bench.prompts import load_prompts
 
     tokenizer = load_embedded("dflash2")[0]
     expected = [tokenizer(t).input_ids for t in load_prompts("humaneval", 2)[0]]

@@ -10,7 +10,7 @@ import pytest
 from dflash2.bench import BenchConfig
 from dflash2.config import DFlash2Config
 from dflash2.overrides import load_yaml_with_overrides
-from dflash2.train import load_config
+from dflash2.train.run import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 
@@ -19,7 +19,8 @@ def test_there_are_configs():
     assert len(CONFIGS) > 20
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1] if p.parent.name != "configs" else p.parent)))
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: str(p.relative_to(p.parents[1] if p.parent.name != "configs"
+                                                                            else p.parent)))
 def test_every_config_loads(path):
     raw = load_yaml_with_overrides(path, [])
     if path.parent.name == "bench":

@@ -15,8 +15,11 @@ import pytest
 import torch
 
 import dflash2.verify as verify_mod
-from dflash2 import DFlash2Drafter, Draft, SamplingParams, Verdict, process_logits, spec_generate
-from tests.helpers import StubDrafter, constant_drafter, enumerate_outcomes, exact_ar_distribution, max_abs_diff, tiny_target
+from dflash2 import DFlash2Drafter, Draft, SamplingParams, spec_generate
+from dflash2.sampling import process_logits
+from dflash2.verify import Verdict
+from tests.helpers import (StubDrafter, constant_drafter, enumerate_outcomes, exact_ar_distribution, max_abs_diff,
+                           tiny_drafter, tiny_target)
 
 # 4 new tokens with blocks of 3: the first round verifies a full 2-token draft plus its bonus.
 V, PROMPT, N_NEW, BLOCK = 3, [1, 2], 4, 3
@@ -28,14 +31,10 @@ def target():
     return tiny_target("qwen3", vocab=V, seed=3)
 
 
-@functools.lru_cache(maxsize=None)
 def dflash(selector: str, top_k: int = 2) -> DFlash2Drafter:
-    torch.manual_seed(11)
-    d = DFlash2Drafter.from_target(target(), block_size=BLOCK, selector=selector, selector_top_k=top_k,
-                                   selector_rank=4, mask_token_id=V - 1)
-    if selector != "argmax":  # a non-trivial pairwise term, so the walk's q depends on its path
-        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=3.0)
-    return d
+    # a non-trivial pairwise term, so the walk's q depends on its path
+    return tiny_drafter("qwen3", BLOCK, seed=11, vocab=V, target_seed=3, pairwise_std=3.0 if selector != "argmax" else 0.0,
+                        selector=selector, selector_top_k=top_k, selector_rank=4, mask_token_id=V - 1)
 
 
 def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None):
@@ -54,7 +53,7 @@ def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | 
 
 
 def ar_distribution(params: SamplingParams, stops=()):
-    return exact_ar_distribution(target(), PROMPT, N_NEW, lambda l: process_logits(l, params), frozenset(stops))
+    return exact_ar_distribution(target(), PROMPT, N_NEW, lambda logits: process_logits(logits, params), frozenset(stops))
 
 
 PARAMS = {

@@ -4,7 +4,6 @@ invariants, for tiny float64 targets of several architectures and every drafter 
 from __future__ import annotations
 
 import copy
-import functools
 
 import pytest
 import torch
@@ -13,17 +12,15 @@ from hypothesis import strategies as st
 
 from dflash2 import DFlash2Drafter, ar_generate, spec_generate
 from tests.helpers import (ARCHITECTURES, MASK, VOCAB, constant_drafter, eos_spammer, hf_greedy, oracle_drafter,
-                           random_drafter, tiny_target)
+                           random_drafter, tiny_drafter, tiny_target)
 
 DFLASH_VARIANTS = [(conv, sel) for conv in ("two_tap", "none") for sel in ("walk", "viterbi", "argmax")]
 STUBS = ("constant", "random", "oracle", "oracle_partial", "eos_spammer", "dflash_draft_len")
 
 
-@functools.lru_cache(maxsize=None)
 def dflash_drafter(arch: str, block_size: int, conv: str, selector: str, mask: int = MASK) -> DFlash2Drafter:
-    torch.manual_seed(block_size)
-    return DFlash2Drafter.from_target(tiny_target(arch), block_size=block_size, conv=conv, selector=selector,
-                                      selector_top_k=4, selector_rank=8, mask_token_id=mask, num_layers=2)
+    return tiny_drafter(arch, block_size, seed=block_size, conv=conv, selector=selector, selector_top_k=4,
+                        selector_rank=8, mask_token_id=mask, num_layers=2)
 
 
 def make_drafter(kind, arch, block_size, reference, stop):

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import dflash2
-from dflash2 import Draft, SamplingParams, process_logits, spec_generate, spec_generate_batch
+from dflash2 import Draft, SamplingParams, spec_generate, spec_generate_batch
+from dflash2.sampling import process_logits
 from tests.helpers import enumerate_outcomes, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target
 
 

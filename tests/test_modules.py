@@ -12,8 +12,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
-from dflash2 import (CandidateHead, DFlash2Drafter, TargetAdapter, TorchRandom, ViterbiSelector,
-                     TwoTapDynamicConv, default_target_layer_ids, viterbi_path)
+from dflash2 import DFlash2Drafter, TargetAdapter, TorchRandom
+from dflash2.config import default_target_layer_ids
+from dflash2.conv import TwoTapDynamicConv
+from dflash2.heads import CandidateHead
+from dflash2.selector import ViterbiSelector, viterbi_path
 from dflash2.layers import SwiGLU
 from tests.helpers import HAS_CXX_COMPILER, MASK, tiny_target
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import dflash2.verify as verify_mod
-from dflash2 import DFlash2Drafter, SamplingParams, process_logits, spec_generate
+from dflash2 import DFlash2Drafter, SamplingParams, spec_generate
+from dflash2.sampling import process_logits
 from tests.helpers import exact_ar_distribution, tiny_target
 from tests.test_exact_distribution import typical_acceptance
 
@@ -65,7 +66,7 @@ def sample_counts(params: SamplingParams, seed: int) -> dict:
 @pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=4, top_p=0.9)], ids=str)
 def test_spec_generate_matches_ar_distribution(params):
     _, target = pair()
-    exact = exact_ar_distribution(target, PROMPT, N_NEW, lambda l: process_logits(l, params))
+    exact = exact_ar_distribution(target, PROMPT, N_NEW, lambda logits: process_logits(logits, params))
     p = chi_square_p_value(sample_counts(params, seed=0), exact, SAMPLES)
     print(f"{params}: chi-square p = {p:.3f}")
     assert p > 1e-3
@@ -76,5 +77,5 @@ def test_chi_square_has_power_against_a_mutant(monkeypatch):
     monkeypatch.setattr(verify_mod, "verify_stochastic", lambda draft, probs, rng: typical_acceptance(draft.tokens, probs, rng))
     params = SamplingParams(1.0)
     _, target = pair()
-    exact = exact_ar_distribution(target, PROMPT, N_NEW, lambda l: process_logits(l, params))
+    exact = exact_ar_distribution(target, PROMPT, N_NEW, lambda logits: process_logits(logits, params))
     assert chi_square_p_value(sample_counts(params, seed=0), exact, SAMPLES) < 1e-3

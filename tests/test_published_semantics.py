@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 import dflash2.backbone as backbone
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate, spec_generate_batch
 from dflash2.reference_format import config_from_reference, reference_from_config
-from dflash2.training import masked_block_forward
+from dflash2.train.forward import masked_block_forward
 from tests import published_reference as ref
 from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, tiny_target
 
@@ -177,7 +177,8 @@ def test_batched_drafting_follows_the_published_semantics(tmp_path, layout):
             drafts = drafter.propose_batch(context, anchors, news, adapter, 0.0, None)
             hidden, _ = drafter._candidates_batch(context, anchors, adapter, B - 1)
         for r, anchor in enumerate(anchors):
-            want = ref.block_hidden(cfg, tensors, target.get_input_embeddings().weight.detach(), everything[r][:lengths[r]], anchor)
+            embedding = target.get_input_embeddings().weight.detach()
+            want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)
             torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
             assert drafts[r].tokens.tolist() == ref.drafts(cfg, tensors, want, target.get_output_embeddings().weight.detach(),
                                                            anchor)

@@ -24,3 +24,14 @@ def test_the_first_python_block_runs_and_drafts():
     tau, speedup = map(float, re.match(r"tau (\d+\.\d+), (\d+\.\d+)x plain decoding\n", out.stdout).groups())
     assert tau > 3  # the speed depends on the machine's load; τ does not
     assert speedup > 0
+
+
+def test_what_is_where_names_every_module():
+    """The README's "What is where" names every module of the flat core and every subpackage."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## What is where"):text.index("## Compatibility")]
+    package = ROOT / "dflash2"
+    names = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
+    names += [p.name + "/" for p in package.iterdir() if (p / "__init__.py").is_file()]
+    missing = [n for n in names if n not in section]
+    assert not missing, missing

@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from dflash2 import SamplingParams, greedy_token, process_logits
+from dflash2 import SamplingParams
+from dflash2.sampling import greedy_token, process_logits
 
 
 def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -9,8 +9,8 @@ import functools
 import pytest
 import torch
 
-from dflash2 import DFlash2Drafter, SamplingParams, TargetAdapter, ar_generate, spec_generate
-from dflash2.static_target import StaticTarget
+from dflash2 import DFlash2Drafter, TargetAdapter, ar_generate, spec_generate
+from dflash2.target.static import StaticTarget
 from tests import test_exact_distribution as exact
 from tests.helpers import HAS_CXX_COMPILER, MASK, hf_greedy, max_abs_diff, tiny_target
 

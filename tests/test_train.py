@@ -15,8 +15,8 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from dflash2.checkpoint import load_checkpoint
-from dflash2.train import TrainConfig, load_config, train
+from dflash2.train.checkpoint import load_checkpoint
+from dflash2.train.run import TrainConfig, load_config, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +93,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(target_dir, tmp_path):
 
 
 def test_resuming_with_another_config_is_refused(target_dir, tmp_path):
-    from dflash2.train import main
+    from dflash2.train.run import main
 
     args = overrides(target_dir, tmp_path / "run", steps=4)
     train(load_config(None, args), stop_after=2)
@@ -120,14 +120,14 @@ def test_ddp_two_processes_keep_identical_replicas(target_dir, tmp_path):
 def accuracy(run: Path, target_dir: str, drafter_dir: Path | None) -> float:
     """Top-1 accuracy of a drafter (untrained when drafter_dir is None) over the run's whole dataset."""
     from dflash2 import DFlash2Drafter, TargetAdapter
-    from dflash2.training import masked_block_forward, sample_anchors
+    from dflash2.train.forward import masked_block_forward, sample_anchors
 
     target = transformers.AutoModelForCausalLM.from_pretrained(target_dir)
     torch.manual_seed(0)
     drafter = (DFlash2Drafter.from_pretrained(drafter_dir) if drafter_dir else
                DFlash2Drafter.from_target(target, block_size=4, mask_token_id=63, selector_top_k=4, selector_rank=8))
     adapter = TargetAdapter(target, drafter.target_layer_ids)
-    from dflash2.train_data import SequenceData
+    from dflash2.train.data import SequenceData
 
     data = SequenceData(run / "data")
     ids, _, _ = data.batch(range(len(data)), pad_id=0)
@@ -173,7 +173,7 @@ def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
 
 def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
     from dflash2 import DFlash2Drafter
-    from dflash2.train import main
+    from dflash2.train.run import main
 
     args = overrides(target_dir, tmp_path / "run", steps=4)
     assert main([*args, "--export", str(tmp_path / "none")]) == 2  # no checkpoint yet: one-line error
@@ -188,8 +188,8 @@ def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
 
 
 def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path):
-    from dflash2.train import regenerate
-    from dflash2.train_data import HFBackend, SequenceData
+    from dflash2.train.run import regenerate
+    from dflash2.train.data import HFBackend, SequenceData
 
     cfg = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8, "data.temperature": 1.0,
                                                                        "data.shard_size": 2}))
@@ -231,7 +231,7 @@ def test_help_lists_every_config_key_with_its_default():
     assert out.returncode == 0
     import dataclasses
 
-    from dflash2.train import DataConfig
+    from dflash2.train.run import DataConfig
 
     for f in dataclasses.fields(TrainConfig):
         if f.name != "data":

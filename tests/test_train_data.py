@@ -15,10 +15,10 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from dflash2.checkpoint import load_checkpoint
+from dflash2.train.checkpoint import load_checkpoint
 from dflash2.embedded import embedded_path
-from dflash2.train import load_config, train
-from dflash2.train_data import Conversation, HFBackend, Sampling, SequenceData, load_conversations, parse_row, render
+from dflash2.train.run import load_config, train
+from dflash2.train.data import Conversation, HFBackend, Sampling, SequenceData, load_conversations, parse_row, render
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS, MASK_ID, PAD = 0, 1, 2  # the embedded tokenizer's special tokens
@@ -43,7 +43,8 @@ def chat_target(tmp_path_factory) -> str:
     """A random Qwen3 over the embedded tokenizer (and its minimal chat template)."""
     torch.manual_seed(0)
     config = transformers.Qwen3Config(vocab_size=4096, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,  # vLLM's CPU attention: head_dim >= 32
+                                      # vLLM's CPU attention: head_dim >= 32
+                                      num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                                       max_position_embeddings=512, eos_token_id=EOS, pad_token_id=PAD)
     model = transformers.Qwen3ForCausalLM(config)
     with torch.no_grad():
@@ -76,7 +77,8 @@ def test_rows_of_every_supported_shape_parse():
     assert convs[1].turns == ["Reverse a string.", "Now without slicing."]  # the data's assistant text is dropped
     assert convs[2] == Conversation(None, ["Parse a date.", "Handle time zones too."])
     assert convs[4].turns == ["Sort a dict by value."]
-    assert parse_row({"instruction": "Fix the bug.", "input": "x = 1 +", "output": "dropped"}).turns == ["Fix the bug.\n\nx = 1 +"]
+    alpaca = {"instruction": "Fix the bug.", "input": "x = 1 +", "output": "dropped"}
+    assert parse_row(alpaca).turns == ["Fix the bug.\n\nx = 1 +"]
     assert parse_row({"instruction": "Say hi.", "input": ""}).turns == ["Say hi."]  # Alpaca: no blank input
     with pytest.raises(ValueError, match="neither `messages`"):
         parse_row({"text": "hello"}, 7)
@@ -128,8 +130,8 @@ def test_the_backend_stops_at_eos_and_keeps_it(chat_target):
 
 
 def test_chat_data_labels_only_the_regenerated_answers(chat_target, conversations_file, tmp_path):
-    from dflash2.train import Run
-    from dflash2.training import masked_block_forward, sample_masked_anchors
+    from dflash2.train.run import Run
+    from dflash2.train.forward import masked_block_forward, sample_masked_anchors
 
     cfg = load_config(None, chat_overrides(chat_target, conversations_file, tmp_path / "run", steps=1))
     run = Run(cfg)
@@ -172,7 +174,7 @@ def self_stopping_run(args: list[str], at_step: int, how: str) -> subprocess.Com
     finishing step `at_step` (0-based), before that step's checkpoint: a kill at a known place."""
     code = (
         "import os, signal, sys\n"
-        "import dflash2.train as t\n"
+        "import dflash2.train.run as t\n"
         "step = t.Run.train_step\n"
         "def stopping(self, s):\n"
         "    out = step(self, s)\n"
@@ -217,7 +219,7 @@ def test_a_signal_writes_a_checkpoint_and_exits_with_one_line(chat_target, conve
 def test_a_signal_during_regeneration_exits_cleanly_and_keeps_the_shards(chat_target, conversations_file, tmp_path):
     code = (
         "import os, signal, sys\n"
-        "import dflash2.train_data as td\n"
+        "import dflash2.train.data as td\n"
         "gen, calls = td.HFBackend.generate, []\n"
         "def dying(self, *a, **k):\n"
         "    calls.append(1)\n"
@@ -225,7 +227,7 @@ def test_a_signal_during_regeneration_exits_cleanly_and_keeps_the_shards(chat_ta
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return gen(self, *a, **k)\n"
         "td.HFBackend.generate = dying\n"
-        "import dflash2.train as t\n"
+        "import dflash2.train.run as t\n"
         "sys.exit(t.main(sys.argv[1:]))\n"
     )
     args = chat_overrides(chat_target, conversations_file, tmp_path / "run")
@@ -239,7 +241,7 @@ def test_a_signal_during_regeneration_exits_cleanly_and_keeps_the_shards(chat_ta
 def test_gradient_accumulation_and_checkpointing_keep_the_step(chat_target, conversations_file, tmp_path, monkeypatch):
     """The gradient of one step (before clipping and AdamW, which would hide a wrong scale) is the same with
     micro-batches, recomputed layers or small loss chunks."""
-    from dflash2.train import Run
+    from dflash2.train.run import Run
 
     data = str(tmp_path / "data")
     grads = {}
@@ -259,7 +261,7 @@ def test_gradient_accumulation_and_checkpointing_keep_the_step(chat_target, conv
 
 
 def test_held_out_tau_is_logged_and_held_out_sequences_are_never_trained(chat_target, conversations_file, tmp_path):
-    from dflash2.train import batch_indices
+    from dflash2.train.run import batch_indices
 
     cfg = load_config(None, chat_overrides(chat_target, conversations_file, tmp_path / "run", steps=4, eval_every=2,
                                            eval_sequences=2))
@@ -303,7 +305,7 @@ def vllm_python() -> str | None:
 @pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed here (set DFLASH2_VLLM_PYTHON to a venv's "
                                                   "python that has it)")
 def test_the_vllm_backend_regenerates_what_the_hf_backend_does(chat_target, conversations_file, tmp_path):
-    from dflash2.train import regenerate
+    from dflash2.train.run import regenerate
 
     rows = {}
     for backend in ("hf", "vllm"):

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dflash2.training as training
+import dflash2.train.forward as training
 from dflash2 import DFlash2Drafter, TargetAdapter
-from dflash2.training import block_mask, drafter_losses, masked_block_forward, sample_anchors
+from dflash2.train.forward import block_mask, drafter_losses, masked_block_forward, sample_anchors
 from tests.helpers import MASK, tiny_target
 
 VARIANTS = [("two_tap", "walk", None), ("none", "argmax", None), ("two_tap", "viterbi", 6)]

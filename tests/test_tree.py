@@ -10,7 +10,8 @@ import itertools
 import pytest
 import torch
 
-from dflash2 import SamplingParams, process_logits
+from dflash2 import SamplingParams
+from dflash2.sampling import process_logits
 from dflash2.tree import TokenTree, TreeVerdict, verify_tree
 from dflash2.verify import verify_deterministic
 from tests.helpers import enumerate_outcomes, max_abs_diff

@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from dflash2.vllm_engine import VLLMResult, run_vllm
+from dflash2.engines.vllm import VLLMResult, run_vllm
 
 
 def test_a_missing_interpreter_is_a_clear_error(tmp_path):

@@ -49,7 +49,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
-from dflash2.corpus import read_texts  # noqa: E402
+from dflash2.embedded.corpus import read_texts  # noqa: E402
 
 DEF_LINE = re.compile(r"^[ \t]*(async[ \t]+)?def [^\n]*:[ \t]*\n", re.M)
 

@@ -2,7 +2,7 @@
 
     python experiments/embedded/count_tokens.py      # writes dflash2/embedded/token_counts.safetensors
 
-The corpus is the train split of `python -m dflash2.corpus` (the standard library's source the target
+The corpus is the train split of `python -m dflash2.embedded.corpus` (the standard library's source the target
 was trained on; held-out modules and HumanEval are never read). Prints the coverage of the most
 frequent 512 .. 4096 tokens.
 """
@@ -17,7 +17,7 @@ sys.path.insert(0, str(ROOT))
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dflash2.corpus import read_texts  # noqa: E402
+from dflash2.embedded.corpus import read_texts  # noqa: E402
 from dflash2.draft_vocab import count_tokens, coverage, most_frequent, save_counts  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 

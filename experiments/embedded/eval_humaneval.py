@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2 import DFlash2Drafter, ar_generate, spec_generate  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
-from dflash2.prompt_sets import load_prompts  # noqa: E402
+from dflash2.bench.prompts import load_prompts  # noqa: E402
 
 
 def humaneval_prompts(n: int) -> list[str]:

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate  # noqa: E402
-from dflash2.prompt_sets import load_prompts  # noqa: E402
-from dflash2.bench import load_note  # noqa: E402
-from dflash2.vllm_engine import refusal_reason  # noqa: E402
+from dflash2.bench.prompts import load_prompts  # noqa: E402
+from dflash2.bench.machine import load_note  # noqa: E402
+from dflash2.engines.vllm import refusal_reason  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 from target_confidence import markdown_table  # noqa: E402  (this directory)
 
@@ -68,7 +68,7 @@ def main() -> int:
         "",
         f"A `Qwen3ForCausalLM` of {n_params / 1e6:.2f}M parameters (hidden 256, 6 layers, vocabulary 4096, tied "
         "embeddings) trained from scratch on the Python standard library's source (train split of "
-        "`dflash2/corpus.py`), by `python experiments/embedded/train_target.py` "
+        "`dflash2/embedded/corpus.py`), by `python experiments/embedded/train_target.py` "
         f"({final['step']} steps of 16 × 512 tokens), shipped in bf16.",
         "",
         "| step | train loss | held-out cross-entropy (nats/token) | held-out perplexity |",

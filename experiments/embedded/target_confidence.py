@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
-from dflash2.prompt_sets import load_prompts  # noqa: E402
+from dflash2.bench.prompts import load_prompts  # noqa: E402
 
 
 @torch.no_grad()

@@ -24,9 +24,9 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dflash2.corpus import read_texts  # noqa: E402
+from dflash2.embedded.corpus import read_texts  # noqa: E402
 
-from dflash2.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
+from dflash2.train.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 TOKENIZER = ROOT / "dflash2" / "embedded" / "tokenizer"
 PRESETS = {

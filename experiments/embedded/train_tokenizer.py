@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from dflash2.corpus import read_texts  # noqa: E402
+from dflash2.embedded.corpus import read_texts  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|mask|>", "<|pad|>"]
 

@@ -75,8 +75,10 @@ def main() -> int:
                                                     stop_token_ids=stops))
         identical += torch.equal(ar.sequences, sp.sequences)
         lengths += sp.acceptance_lengths
-        toks["ar"][0] += ar.new_tokens.numel(); toks["ar"][1] += t_ar
-        toks["spec"][0] += sp.new_tokens.numel(); toks["spec"][1] += t_sp
+        toks["ar"][0] += ar.new_tokens.numel()
+        toks["ar"][1] += t_ar
+        toks["spec"][0] += sp.new_tokens.numel()
+        toks["spec"][1] += t_sp
         ratios.append((sp.new_tokens.numel() / t_sp) / (ar.new_tokens.numel() / t_ar))
     print(f"τ = {sum(lengths) / len(lengths):.2f}; AR {toks['ar'][0] / toks['ar'][1]:.1f} tok/s; "
           f"DFlash {toks['spec'][0] / toks['spec'][1]:.1f} tok/s; median speedup {statistics.median(ratios):.2f}x; "

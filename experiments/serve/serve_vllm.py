@@ -25,8 +25,8 @@ import torch
 
 from dflash2 import ar_generate, spec_generate
 from dflash2.embedded import embedded_path, load_embedded
-from dflash2.prompt_sets import NAMES, load_prompts
-from dflash2.vllm_engine import run_vllm
+from dflash2.bench.prompts import NAMES, load_prompts
+from dflash2.engines.vllm import run_vllm
 
 
 def our_rows(drafter, target, prompts, max_new_tokens):

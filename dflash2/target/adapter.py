@@ -42,10 +42,10 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .layers import as_rows
-from .target_attention import masked_gqa
-from .target_cache import GrowingLayer
-from .tree import TokenTree
+from ..layers import as_rows
+from .attention import masked_gqa
+from .cache import GrowingLayer
+from ..tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})
@@ -197,7 +197,7 @@ class TargetAdapter:
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
         want = bool(self.layer_ids)
         start = cache.get_seq_length()
-        with masked_gqa(self.config):  # grouped heads without copying the cache per head (target_attention.py)
+        with masked_gqa(self.config):  # grouped heads without copying the cache per head (target/attention.py)
             out = self.model(input_ids=ids.to(self.device), position_ids=q_pos.to(self.device), attention_mask=mask,
                              use_cache=True, output_hidden_states=want, **{self._cache_kw: cache},
                              **self._logits_kw(keep_logits))

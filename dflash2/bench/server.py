@@ -273,7 +273,8 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
     """Every server over every (dataset, concurrency, setting) table: rows as the bench writes them.
     `servers_cpu` gets the CPU seconds of each launched server (its start-up included), which the
     whole run's load record counts as the bench's own."""
-    from .bench import SETTINGS, LoadMonitor, Run
+    from .config import SETTINGS
+    from .machine import LoadMonitor
 
     runs: dict[tuple, dict[str, list]] = {}  # (dataset, conc, setting) → server name → [(rep, p, Run)]
     info: dict[tuple, dict[str, dict]] = {}
@@ -316,7 +317,7 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
 
 def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, stops: list[int], seed: int):
     """One conversation's turns in order, each prompt holding the server's earlier answers: (Run, verify steps)."""
-    from .bench import Run
+    from .methods import Run
 
     answers, total, steps = [], Run(0, 0.0), 0
     for k in range(len(conv.turns)):
@@ -331,7 +332,7 @@ def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, s
 def _table(client: Client, prompter, prompts, cfg, setting: dict, stops: list[int], conc: int):
     """`cfg.repetitions` passes over the set: [(rep, p, Run)] (p: the conversation at concurrency 1, 0 for
     the whole set above) and the SGLang verify steps over all (None where not reported)."""
-    from .bench import Run
+    from .methods import Run
 
     items, steps = [], 0
     convs = prompts.conversations
@@ -364,7 +365,8 @@ def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
 
 
 def _rows(key: tuple, runs: dict[str, list], info: dict[str, dict], cfg) -> list[dict[str, Any]]:
-    from .bench import SETTINGS, _quartiles, _ratios, _tokens_per_s
+    from .config import SETTINGS
+    from .report import _quartiles, _ratios, _tokens_per_s
 
     dataset, conc, setting_name = key
     plain = next((n for n in runs if info[n]["spec"].block_size is None), None)

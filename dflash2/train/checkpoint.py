@@ -15,13 +15,6 @@ from typing import Any, BinaryIO, Callable
 import torch
 
 
-def looks_like_hub_id(name: str | Path) -> bool:
-    """owner/name as the Hugging Face hub spells a repository: what a missing local path is not."""
-    import re
-
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name)) is not None
-
-
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
     """Call write(file) on a temporary file beside `path`, flush it to disk, rename it over `path`."""
     path.parent.mkdir(parents=True, exist_ok=True)

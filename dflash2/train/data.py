@@ -194,7 +194,7 @@ class HFBackend:
 
 class VLLMBackend:
     """Offline `vllm.LLM(...).generate` in the interpreter `python` (one engine start per shard), through
-    `dflash2.vllm_engine`; `tensor_parallel_size` spreads a large target over GPUs."""
+    `dflash2.engines.vllm`; `tensor_parallel_size` spreads a large target over GPUs."""
 
     def __init__(self, python: str, target: str, tokenizer: str | None, eos_ids: list[int], dtype: str,
                  max_model_len: int, tensor_parallel_size: int = 1) -> None:
@@ -204,7 +204,7 @@ class VLLMBackend:
         self.generate_wall_s: float | None = None  # the engine's own time for the last call (its start excluded)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
-        from .vllm_engine import run_vllm
+        from ..engines.vllm import run_vllm
 
         s = sampling
         result = run_vllm(self.python, self.target, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature,

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .target import TargetAdapter, TargetStep
-from .target_attention import masked_gqa
-from .tree import TokenTree
+from .adapter import TargetAdapter, TargetStep
+from .attention import masked_gqa
+from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
 

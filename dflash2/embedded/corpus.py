@@ -6,7 +6,7 @@ suites (`test/`, `tests/`, `idlelib/idle_test/`, `lib2to3/tests/`: huge, repetit
 The split is by top-level module: a module goes to held-out when the first byte of the SHA-256 of
 its name is < 13 (about 5%), so the split is stable across machines and Python patch releases.
 
-    python -m dflash2.corpus      # prints the split's sizes and the held-out modules
+    python -m dflash2.embedded.corpus      # prints the split's sizes and the held-out modules
 """
 
 from __future__ import annotations

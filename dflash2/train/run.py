@@ -1,10 +1,10 @@
 """`python -m dflash2.train --config configs/<file>.yaml [dotted.key=value ...]`: train a drafter.
 
 The recipe (docs/training.md): the target (frozen, with its embedding and LM head) regenerates the
-responses (`dflash2.train_data`: fixed-length prompts, or chat conversations from a dataset; an `hf`
+responses (`dflash2.train.data`: fixed-length prompts, or chat conversations from a dataset; an `hf`
 or a `vllm` backend; a sharded Arrow dataset on disk); each step samples random anchors per sequence
 (only where the next token is a label: a regenerated token) and trains all blocks of a sequence in
-one masked forward pass (`dflash2.training`); position-decay weights, optional soft targets, the
+one masked forward pass (`dflash2.train.forward`); position-decay weights, optional soft targets, the
 teacher-forced selector loss, all computed in chunks of rows, so that no [anchors, block, vocabulary]
 tensor is ever whole.
 
@@ -38,11 +38,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import load_checkpoint, looks_like_hub_id, save_checkpoint
-from .drafter import DFlash2Drafter
-from .overrides import load_yaml_with_overrides
-from .target import TargetAdapter
-from .training import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
+from ..checks import looks_like_hub_id
+from .checkpoint import load_checkpoint, save_checkpoint
+from ..drafter import DFlash2Drafter
+from ..overrides import load_yaml_with_overrides
+from ..target.adapter import TargetAdapter
+from .forward import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
                        masked_block_forward, position_weights, sample_masked_anchors)
 
 
@@ -217,10 +218,10 @@ def fixed_prompts(cfg: TrainConfig, vocab: int) -> list[list[int]]:
 
 
 def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_stderr) -> Path:
-    """Write the run's dataset directory (see `dflash2.train_data`); returns it. Resumes a partial one."""
+    """Write the run's dataset directory (see `dflash2.train.data`); returns it. Resumes a partial one."""
     from tqdm import tqdm
 
-    from . import train_data as td
+    from . import data as td
 
     d = cfg.data
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
@@ -245,7 +246,8 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
         if d.backend == "vllm":
             longest = d.max_length if d.dataset is not None else d.prompt_tokens + d.new_tokens
             limit = getattr(target.config.get_text_config(), "max_position_embeddings", None) or longest
-            backend = td.VLLMBackend(d.vllm_python or sys.executable, cfg.target, d.tokenizer, eos_ids, cfg.target_dtype or cfg.dtype,
+            backend = td.VLLMBackend(d.vllm_python or sys.executable, cfg.target, d.tokenizer, eos_ids,
+                                     cfg.target_dtype or cfg.dtype,
                                      min(longest, limit), d.tensor_parallel_size)
         else:
             backend = td.HFBackend(target, eos_ids, pad_id, d.regen_batch)
@@ -416,7 +418,7 @@ class Run:
 
     # -- data --------------------------------------------------------------------------------------
     def load_data(self) -> None:
-        from .train_data import SequenceData
+        from .data import SequenceData
 
         directory = self.cfg.data.resolved_cache(self.out)
         if self.rank == 0 and not (directory / "complete.json").is_file():
@@ -689,7 +691,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"run directory: {out}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

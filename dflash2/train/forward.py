@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .drafter import DFlash2Drafter
-from .target import TargetAdapter
+from ..drafter import DFlash2Drafter
+from ..target.adapter import TargetAdapter
 
 
 class BlockOutputs(NamedTuple):

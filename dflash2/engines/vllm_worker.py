@@ -1,11 +1,11 @@
 """Runs one vLLM offline job in the interpreter of a venv that has vLLM; imports nothing of dflash2.
 
-    python dflash2/vllm_worker.py JOB.json RESULT.json
+    python dflash2/engines/vllm_worker.py JOB.json RESULT.json
 
 JOB holds the target directory, an optional drafter directory (published DFlash format), token-id
 prompts and sampling settings; RESULT gets the generated token ids, wall time after an untimed
 warm-up, the engine's spec-decode counters, or the error with which vLLM refused the job.
-`dflash2.vllm_engine` writes the job, starts this file and reads the result.
+`dflash2.engines.vllm` writes the job, starts this file and reads the result.
 """
 
 from __future__ import annotations

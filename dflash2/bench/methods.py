@@ -1,0 +1,265 @@
+"""The methods of a table: what runs in each row (a `Method`), and the functions that run it.
+
+Our loop at batch 1 (`make_methods`: AR, HF's generate / prompt lookup / assisted generation, and every
+drafter variant), our batched loop with continuous batching (`make_batch_methods`), and vLLM in its
+own interpreter (`run_engine`). Each returns or records a `Run` per prompt (or per set).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..batch import ar_generate_batch, spec_generate_batch
+from ..draft_vocab import load_counts, most_frequent
+from ..drafter import DFlash2Drafter
+from ..loop import ar_generate, spec_generate
+from .config import DTYPE_SUFFIX, DTYPES, VLLM_METHODS, BenchConfig
+from .prompts import PromptSet
+
+
+@dataclass(frozen=True)
+class Method:
+    """One row of a table: which decoder runs, and the variant fields its name spells
+    (`dflash2_tree15_V4096_compiled_bf16_static`: family dflash2_tree, 15 nodes, draft vocabulary 4096,
+    compiled backbone, bfloat16 drafter, StaticTarget step)."""
+
+    family: str  # one of ALL_METHODS or VLLM_METHODS
+    dtype: str = "float32"  # the drafter's (our drafter rows) or the engine's (vllm rows)
+    compiled: bool = False  # the drafter's backbone through torch.compile (batch 1)
+    draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
+    draft_len: int | None = None  # propose only the first n positions of the block
+    tree_nodes: int | None = None  # dflash2_tree: verify a token tree of this many nodes
+    target_step: str = "hf"  # our loop: "hf" (the model's forward) or "static" (StaticTarget, compiled)
+
+    @property
+    def name(self) -> str:
+        name = f"dflash2_tree{self.tree_nodes}" if self.family == "dflash2_tree" else self.family
+        name += f"_L{self.draft_len}" if self.draft_len else ""
+        name += f"_V{self.draft_vocab}" if self.draft_vocab else ""
+        name += "_compiled" if self.compiled else ""
+        return name + DTYPE_SUFFIX[self.dtype] + ("_static" if self.target_step == "static" else "")
+
+    @property
+    def drafts(self) -> bool:
+        """One of our drafters (dflash1, dflash2_*)."""
+        return self.family.startswith("dflash")
+
+    @property
+    def ours(self) -> bool:
+        """Our loop: AR or one of our drafters."""
+        return self.family == "ar" or self.drafts
+
+    @property
+    def plain(self) -> bool:
+        """Plain decoding: what speedup_vs_fastest_ar compares against."""
+        return self.family in ("ar", "hf_generate", "vllm_ar")
+
+    @property
+    def engine(self) -> bool:
+        return self.family in VLLM_METHODS
+
+
+@dataclass
+class Run:
+    new_tokens: int
+    seconds: float
+    acceptance: list[int] | None = None  # tokens per round (spec methods)
+    breakdown: dict[str, float] | None = None  # seconds: prefill, draft, verify, other
+    outputs: list[list[int]] = field(default_factory=list)  # the generated ids of each row
+
+    def __add__(self, other: Run) -> Run:
+        """Two turns of one conversation (or set) as one run: tokens, seconds and rounds add up."""
+        acc = None if self.acceptance is None and other.acceptance is None else \
+            (self.acceptance or []) + (other.acceptance or [])
+        parts = None if not (self.breakdown and other.breakdown) else \
+            {k: self.breakdown[k] + other.breakdown[k] for k in self.breakdown}
+        return Run(self.new_tokens + other.new_tokens, self.seconds + other.seconds, acc, parts,
+                   self.outputs + other.outputs)
+
+
+def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
+                 stops: list[int]) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
+    statics: dict[tuple[int, ...], Any] = {}  # one compiled StaticTarget per set of target layers read
+
+    def static(layer_ids: tuple[int, ...]):
+        from ..target.static import StaticTarget
+
+        if layer_ids not in statics:
+            statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
+        return statics[layer_ids]
+
+    def ours(drafter, step="hf", **verify):
+        def run(ids, setting, seed):
+            g = torch.Generator().manual_seed(seed)
+            layers = () if drafter is None else tuple(drafter.target_layer_ids)
+            tgt = target if step == "hf" else static(layers)
+            out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
+                               **setting) if drafter is None else
+                   spec_generate(drafter, tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
+                                 generator=g, **setting, **verify))
+            other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
+            return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
+                       dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other),
+                       [out.new_tokens.tolist()])
+        return run
+
+    def hf(**extra):
+        def run(ids, setting, seed):
+            torch.manual_seed(seed)
+            sample = setting["temperature"] > 0
+            kwargs = dict(do_sample=True, **setting) if sample else dict(do_sample=False)
+            ids = ids.to(target.device)
+            t0 = time.perf_counter()
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_new_tokens,
+                                  eos_token_id=stops, pad_token_id=stops[0], **kwargs, **extra)
+            new = out[0, ids.shape[1]:].tolist()  # (on the host: the clock stops after the device is done)
+            return Run(len(new), time.perf_counter() - t0, outputs=[new])
+        return run
+
+    methods: dict[Method, Callable] = {}
+    if "hf" in cfg.target_steps:
+        methods[Method("ar")] = ours(None)
+    if "static" in cfg.target_steps:
+        methods[Method("ar", target_step="static")] = ours(None, "static")
+    methods |= {Method("hf_generate"): hf(), Method("hf_prompt_lookup"): hf(prompt_lookup_num_tokens=block - 1)}
+    if ar_draft is not None:
+        methods[Method("hf_assisted")] = hf(assistant_model=ar_draft)
+    for method, drafter, verify in _drafter_variants(cfg, drafters, block):
+        for step in cfg.target_steps:  # hf and/or static
+            methods[dataclasses.replace(method, target_step=step)] = ours(drafter, step, **verify)
+    return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
+
+
+def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True):
+    """(Method, drafter at block size `block`, spec_generate's verify arguments) of every drafter
+    method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk
+    and tree rows with a compiled backbone."""
+    for dtype in cfg.drafter_dtypes:
+        ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
+        if "dflash1" in ds:
+            yield Method("dflash1", dtype), ds["dflash1"], {}
+        if "dflash2" in ds:
+            walk = ds["dflash2"]
+            yield Method("dflash2_walk", dtype), walk, {}
+            yield Method("dflash2_viterbi", dtype), walk.with_config(selector="viterbi"), {}
+            yield Method("dflash2_argmax", dtype), walk.with_config(selector="argmax"), {}
+            for m in cfg.tree_nodes:
+                yield Method("dflash2_tree", dtype, tree_nodes=m), walk, dict(verify="tree", tree_nodes=m)
+            for n in cfg.draft_lens:
+                yield Method("dflash2_walk", dtype, draft_len=n), walk.with_config(draft_len=n), {}
+            counts = _token_counts(cfg) if cfg.draft_vocabs else None
+            smalls = {n: walk.with_draft_vocab(most_frequent(counts, n)) for n in cfg.draft_vocabs}
+            for n, small in smalls.items():
+                yield Method("dflash2_walk", dtype, draft_vocab=n), small, {}
+                for m in cfg.tree_nodes:
+                    yield Method("dflash2_tree", dtype, draft_vocab=n, tree_nodes=m), small, dict(verify="tree", tree_nodes=m)
+            for n, d in ({None: walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
+                fast = copy.deepcopy(d)
+                fast.backbone.compile(dynamic=True)  # block pass and context projection, on their first call (the warm-up)
+                yield Method("dflash2_walk", dtype, compiled=True, draft_vocab=n), fast, {}
+                for m in cfg.tree_nodes:
+                    yield (Method("dflash2_tree", dtype, compiled=True, draft_vocab=n, tree_nodes=m), fast,
+                           dict(verify="tree", tree_nodes=m))
+
+
+def _token_counts(cfg: BenchConfig) -> torch.Tensor:
+    from ..embedded import token_counts
+
+    return token_counts() if cfg.token_counts == "embedded" else load_counts(cfg.token_counts)
+
+
+def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], block: int,
+                       stops: list[int], concurrency: int) -> dict[Method, Callable[[tuple, dict, int], Run]]:
+    """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
+    at a time; HF baselines have no batched speculative path and are left out."""
+    def ours(drafter, **verify):
+        def run(batch, setting, seed):
+            g = torch.Generator().manual_seed(seed)
+            kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
+                      **setting)
+            outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
+                spec_generate_batch(drafter, target, *batch, **kw, **verify)
+            o = outs[0]  # timings are the batch's
+            rounds = [n for r in outs for n in r.acceptance_lengths]
+            other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
+            return Run(sum(r.new_tokens.numel() for r in outs), o.total_s, None if drafter is None else rounds,
+                       dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other),
+                       [r.new_tokens.tolist() for r in outs])
+        return run
+
+    methods: dict[Method, Callable] = {Method("ar"): ours(None)}
+    for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
+        if method.family != "dflash2_argmax":  # no selector ablation in batches
+            methods[method] = ours(drafter, **verify)
+    return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
+
+
+def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, prompts: PromptSet,
+               block: int, conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
+    """The vllm_* methods of one table, through dflash2.engines.vllm in cfg.vllm_python: fills `runs`
+    (per conversation at concurrency 1, the whole set otherwise) and yields (Method, VLLMResult). A
+    later turn of a conversation is one more engine call whose prompts hold the first repetition's
+    answers (the engine runs a whole turn's prompts per call)."""
+    import tempfile
+
+    from ..engines.vllm import run_vllm
+
+    exports = tempfile.TemporaryDirectory(prefix="dflash2-bench-drafters-")
+    convs = prompts.conversations
+    for method in (Method(m, d) for d in cfg.vllm_dtypes for m in VLLM_METHODS if m in cfg.methods):
+        kind, export, dtype = method.family.removeprefix("vllm_"), None, method.dtype
+        if kind != "ar":
+            if kind not in drafters:
+                continue
+            export = Path(exports.name) / f"{kind}_B{block}"  # the reference format, as the engine loads it
+            if not export.exists():
+                drafters[kind].with_config(block_size=block).save_pretrained(export, format="reference")
+        answers: list[list[str]] = [[] for _ in convs]
+        per: dict[tuple[int, int], Run] = {}
+        result = None
+        for k in range(max(len(c.turns) for c in convs)):
+            active = [i for i, c in enumerate(convs) if len(c.turns) > k]
+            turn = run_vllm(cfg.vllm_python, resolve(cfg.target), [prompter.ids(prompts, convs[i], answers[i])
+                                                                    for i in active],
+                            max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
+                            tokenizer=resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
+                            repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
+                            threads=torch.get_num_threads(), dtype=dtype, **setting)
+            result = turn if result is None else _merge_engine(result, turn)
+            if turn.error:
+                break
+            for i, out in zip(active, turn.outputs):
+                answers[i].append(prompter.text(out))
+            for rep, (walls, outs) in enumerate(zip(turn.walls, turn.repetition_outputs)):
+                if conc == 1:  # each request timed alone
+                    items = [((rep, i), Run(len(out), wall)) for i, wall, out in zip(active, walls, outs)]
+                else:  # the whole turn in one call
+                    items = [((rep, 0), Run(sum(map(len, outs)), walls[0]))]
+                for key, r in items:
+                    per[key] = per[key] + r if key in per else r
+        runs[method] = [(rep, p, r) for (rep, p), r in sorted(per.items())]
+        yield method, result
+    exports.cleanup()
+
+
+def _merge_engine(a, b):
+    """Two turns' VLLMResults as one: the spec-decode counters add up; the first error stays."""
+    spec = {k: a.spec_decode.get(k, 0) + b.spec_decode.get(k, 0) for k in ("drafts", "draft_tokens", "accepted")}
+    pa, pb = a.spec_decode.get("accepted_per_position", []), b.spec_decode.get("accepted_per_position", [])
+    spec["accepted_per_position"] = [x + y for x, y in zip(pa, pb)] if pa and pb else pa or pb
+    return dataclasses.replace(a, spec_decode=spec, error=a.error or b.error, log_tail=b.log_tail or a.log_tail,
+                               vllm_version=a.vllm_version or b.vllm_version)
+
+
+def resolve(path: str) -> str:
+    """"embedded" or "embedded:NAME" → the embedded pair's directory; anything else as it is."""
+    from ..embedded import embedded_path
+
+    return str(embedded_path(path.split(":", 1)[1] if ":" in path else "target")) if path.startswith("embedded") else path

@@ -1,0 +1,225 @@
+"""The report of a bench run: per-prompt ratios and their spread, one row per method of each table,
+results.json (rows and the load record), results.md and one figure per table."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import platform
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..engines.vllm import refusal_reason
+from .config import HF_BASELINES, BenchConfig, cpu_description
+from .machine import commit, load_note
+
+
+def _ratios(items, base: dict) -> list[float]:
+    """tokens/s(run) / tokens/s(the base's run of the same prompt and repetition, measured back to back)."""
+    ratios = []
+    for rep, p, r in items:
+        b = base.get((rep, p))
+        if b is not None and r.seconds > 0 and b.seconds > 0:
+            ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
+    return ratios
+
+
+def _median_ratio(items, base: dict) -> float | None:
+    """Median over (repetition, prompt) of the per-prompt ratios against the base."""
+    ratios = _ratios(items, base)
+    return statistics.median(ratios) if ratios else None
+
+
+def _quartiles(ratios: list[float]) -> tuple[float, float] | None:
+    """First and third quartiles of per-prompt ratios (the spread behind the median)."""
+    ratios = sorted(ratios)
+    if len(ratios) < 2:
+        return (ratios[0], ratios[0]) if ratios else None
+    q = statistics.quantiles(ratios, n=4, method="inclusive")
+    return q[0], q[2]
+
+
+def _tokens_per_s(items) -> float:
+    """Tokens per second over a method's runs (its total tokens over its total time)."""
+    seconds = sum(r.seconds for _, _, r in items)
+    return sum(r.new_tokens for _, _, r in items) / seconds if seconds else 0.0
+
+
+def acceptance_histogram(lengths: list[int], block: int) -> list[float]:
+    """Share of rounds that committed n tokens, n = 1 .. block (entry n - 1): the cards' histogram."""
+    return [sum(n == m for n in lengths) / len(lengths) for m in range(1, block + 1)] if lengths else []
+
+
+def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: dict,
+              engine: dict | None = None) -> list[dict[str, Any]]:
+    """One row per Method of a table: runs[method] = [(repetition, prompt, Run)]. `engine`: the vllm
+    methods' VLLMResults (their τ, errors)."""
+    engine = engine or {}
+    by_name = {m.name: m for m in runs}
+    ar = by_name.get("ar")
+    base = {(rep, p): r for rep, p, r in runs[ar]} if ar else {}
+    ar_tps = _tokens_per_s(runs[ar]) if ar and runs[ar] else None
+    plain = {m: _tokens_per_s(items) for m, items in runs.items() if m.plain and items}
+    fastest = max(plain, key=plain.get, default=None)
+    # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
+    hf = max((m for m in runs if m.family in HF_BASELINES), key=lambda m: _tokens_per_s(runs[m]), default=None)
+    best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
+    rows = []
+    for method, items in runs.items():
+        ratios = _ratios(items, base)
+        row = dict(method=method.name, dataset=dataset, block_size=block, setting=setting_name, **setting,
+                   tokens_per_s=_tokens_per_s(items), speedup=statistics.median(ratios) if ratios else None,
+                   runs=len(items), new_tokens=sum(r.new_tokens for _, _, r in items))
+        row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar_tps if ar_tps else None
+        spread = _quartiles(ratios)
+        if spread is not None:
+            row["speedup_q1"], row["speedup_q3"] = spread
+        if fastest:
+            row.update(fastest_ar=fastest.name, speedup_vs_fastest_ar=row["tokens_per_s"] / plain[fastest])
+        if method in engine:
+            result = engine[method]
+            row.update(engine="vllm " + str(result.vllm_version), error=result.error)
+            if result.error:
+                row.update(tokens_per_s=None, speedup=None, tokens_per_s_ratio=None, speedup_vs_fastest_ar=None)
+            row["tau"] = 1.0 if method.family == "vllm_ar" and not result.error else result.tau
+            if result.acceptance_by_position:
+                row["acceptance_by_position"] = result.acceptance_by_position
+            row["plain_decoding"] = method.plain
+            rows.append(row)
+            continue
+        if hf and method.drafts:
+            row.update(best_hf_baseline=hf.name, speedup_vs_best_hf=_median_ratio(items, best),
+                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / _tokens_per_s(runs[hf]))
+        lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
+        row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if method.family in ("ar", "hf_generate") else None)
+        if lengths:
+            row["acceptance_by_position"] = [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block)]
+            row["acceptance_histogram"] = acceptance_histogram(lengths, block)
+        parts = [r.breakdown for _, _, r in items if r.breakdown]
+        if parts and lengths:
+            rounds = len(lengths)
+            row["per_round_ms"] = {k: 1e3 * sum(b[k] for b in parts) / rounds for k in ("draft", "verify", "other")}
+            row["prefill_ms"] = 1e3 * sum(b["prefill"] for b in parts) / len(parts)
+        if method.drafts:
+            row["drafter_dtype"] = method.dtype
+            if method.draft_vocab:
+                row["draft_vocab"] = method.draft_vocab
+            row["compiled"] = method.compiled
+        if method.ours:
+            row["target_step"] = method.target_step
+        row["plain_decoding"] = method.plain
+        rows.append(row)
+    taus = {m: r["tau"] for m, r in zip(runs, rows)}
+    for method, row in zip(runs, rows):  # the selector's gain: τ over the same drafter's top-1 path
+        top1 = dataclasses.replace(method, family="dflash2_argmax")
+        if method.family in ("dflash2_walk", "dflash2_viterbi") and not (method.compiled or method.draft_vocab
+                                                                         or method.draft_len) and top1 in taus:
+            row["tau_gap_vs_top1"] = row["tau"] - taus[top1]
+    return rows
+
+
+def fastest_plain(rows: list[dict[str, Any]]) -> None:
+    """speedup_vs_fastest_ar again over the whole run once servers ran: the fastest plain decoding of the
+    same (dataset, concurrency, setting), at the row's block size or a server's (block-free) one."""
+    served = lambda r: r.get("engine", "").startswith("server") and r["block_size"] is None  # a server without a drafter
+    plain = [r for r in rows if r.get("tokens_per_s") and (r.get("plain_decoding") or served(r))]
+    for r in rows:
+        peers = [x for x in plain if (x["dataset"], x["concurrency"], x["setting"]) ==
+                 (r["dataset"], r["concurrency"], r["setting"]) and x["block_size"] in (r["block_size"], None)]
+        if peers and r.get("tokens_per_s") is not None:
+            fastest = max(peers, key=lambda x: x["tokens_per_s"])
+            r.update(fastest_ar=fastest["method"], speedup_vs_fastest_ar=r["tokens_per_s"] / fastest["tokens_per_s"])
+
+
+def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str],
+                  load: dict[str, Any] | None = None) -> None:
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    load = load or {}
+    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(now.date()),
+                finished=now.strftime("%H:%M UTC"), commit=commit(), machine=platform.platform(),
+                cpu=cpu_description(), torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
+                sources=sources, **load)
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
+    at = f" at {meta['commit']}" if meta["commit"] else ""
+    busy = [t for t in load.get("tables", []) if t.get("busy")]
+    lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
+             f"{meta['cpu']}.", "", load_note(load) if load else "Load: not recorded.", "",
+             *[f"**Busy: {'server ' + t['server'] + ', ' if t.get('server') else ''}{t['dataset']}, "
+               f"B={t['block_size'] or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
+               f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
+             *[f"- {name}: {src}" for name, src in sources.items()], "",
+             "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back (in brackets: "
+             "their first and third quartiles); a server's row (B — for one without a drafter): against the "
+             "server without a drafter; ratio: total "
+             "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "
+             "table (ours, HF generate, vLLM or a server's).", "",
+             "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup | ratio | vs fastest plain "
+             "| vs faster HF spec. |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, spec=".2f", unit="×": "—" if v is None else f"{v:{spec}}{unit}"  # noqa: E731
+    for r in rows:
+        hf = (f"{r['speedup_vs_best_hf']:.2f}× ({r['tokens_per_s_vs_best_hf']:.2f}× by totals)"
+              if r.get("speedup_vs_best_hf") is not None else "—")
+        fastest = (f"{r['speedup_vs_fastest_ar']:.2f}× ({r['fastest_ar']})"
+                   if r.get("speedup_vs_fastest_ar") is not None else "—")
+        tps = fmt(r["tokens_per_s"], ".1f", "") if not r.get("error") else f"refused: {refusal_reason(r['error'])}"
+        spread = (f" ({r['speedup_q1']:.2f}–{r['speedup_q3']:.2f})" if r.get("speedup_q1") is not None
+                  and r.get("speedup") is not None else "")
+        lines.append(f"| {r['dataset']} | {r['block_size'] or '—'} | {r['concurrency']} | {r['setting']} | {r['method']} | "
+                     f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])}{spread} | "
+                     f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(rows, out)
+
+
+def _plot(rows, out: Path) -> list[Path]:
+    """One figure per table (dataset, B, concurrency, setting): each method's speedup over our AR (median of
+    per-prompt ratios: the bar, with its value) and the quartiles of those ratios (the whiskers), every
+    figure on the same axis from 0. Without matplotlib: no figures, said in one line."""
+    try:
+        import matplotlib
+    except ImportError:
+        print("note: matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # a server's rows (its plain decoding has no block size) make a figure of their own
+    key = lambda r: (r["dataset"], "server" if str(r.get("engine", "")).startswith("server") else  # noqa: E731
+                     str(r["block_size"]), r["concurrency"], r["setting"])
+    plotted = [r for r in rows if r.get("speedup") is not None]
+    top = max([r.get("speedup_q3") or r["speedup"] for r in plotted] + [1.0]) * 1.15
+    paths = []
+    for group in sorted({key(r) for r in plotted}):
+        sel = [r for r in plotted if key(r) == group]
+        fig, ax = plt.subplots(figsize=(6.4, 0.32 * len(sel) + 1.2))
+        y = list(range(len(sel)))
+        med = [r["speedup"] for r in sel]
+        lo = [r["speedup"] - r.get("speedup_q1", r["speedup"]) for r in sel]
+        hi = [r.get("speedup_q3", r["speedup"]) - r["speedup"] for r in sel]
+        ax.barh(y, med, xerr=[lo, hi], color=["tab:green" if m >= 1 else "tab:grey" for m in med], capsize=2)
+        for i, m in enumerate(med):
+            ax.text(m + 0.02 * top, i, f"{m:.2f}×", va="center", fontsize=7)
+        ax.set_yticks(y, [r["method"] for r in sel], fontsize=7)
+        ax.invert_yaxis()
+        ax.axvline(1.0, color="black", lw=0.8)
+        ax.set_xlim(0, top)
+        dataset, block, conc, setting = group
+        server = block == "server"
+        ax.set_title(f"{dataset}, {'servers' if server else 'B=' + block}, concurrency {conc}, {setting}", fontsize=9)
+        ax.set_xlabel(f"speedup over {'the server without a drafter' if server else 'our AR'} (median of "
+                      "per-prompt ratios; whiskers: quartiles)", fontsize=8)
+        fig.tight_layout()
+        path = out / f"speedup_{dataset}_{'server' if block == 'server' else 'B' + block}_c{conc}_{setting}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
