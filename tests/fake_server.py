@@ -26,6 +26,7 @@ def main() -> int:
     p.add_argument("--tau", type=float, default=1.0)
     p.add_argument("--api", default="openai", choices=["openai", "sglang"])
     p.add_argument("--fail-start", action="store_true", help="exit at once with an error")
+    p.add_argument("--record", help="append one line per generation request: its arrival time")
     args = p.parse_args()
     if args.fail_start:
         print("fake server: refusing to start", flush=True)
@@ -76,6 +77,9 @@ def main() -> int:
                 self.end_headers()
                 return
             steps = math.ceil(n / args.tau)
+            if args.record:
+                with open(args.record, "a") as log:
+                    log.write(f"{time.time()}\n")
             with lock:
                 state["prompts"].append(prompt)
                 if args.tau > 1:  # every step commits tau tokens: tau - 1 accepted drafts

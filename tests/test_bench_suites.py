@@ -183,15 +183,18 @@ def test_server_mode_reads_tau_from_the_engine(tmp_path):
     τ from the engine, throughput, speedup against the server without a drafter and the ratio against
     our AR; the launched servers are stopped; the running one got the bench's own token ids."""
     plain_port, vllm_port, sglang_port = free_port(), free_port(), free_port()
-    running = subprocess.Popen(fake(plain_port), stdout=subprocess.DEVNULL)
+    record = {name: tmp_path / f"{name}.times" for name in ("plain", "spec", "sgl")}  # each request's arrival
+    running = subprocess.Popen(fake(plain_port, "--record", str(record["plain"])), stdout=subprocess.DEVNULL)
     try:
         wait_up(plain_port)
         out = tmp_path / "bench"
         servers = {"plain": {"url": f"http://127.0.0.1:{plain_port}"},
                    "spec": {"url": f"http://127.0.0.1:{vllm_port}", "block_size": 16,
-                            "launch": fake(vllm_port, "--tau", "4"), "startup_timeout_s": 30},
+                            "launch": fake(vllm_port, "--tau", "4", "--record", str(record["spec"])),
+                            "startup_timeout_s": 30},
                    "sgl": {"url": f"http://127.0.0.1:{sglang_port}", "block_size": 8, "api": "sglang",
-                           "launch": " ".join(fake(sglang_port, "--tau", "2", "--api", "sglang"))}}
+                           "launch": " ".join(fake(sglang_port, "--tau", "2", "--api", "sglang", "--record",
+                                                   str(record["sgl"])))}}
         config = tmp_path / "bench.json"
         config.write_text(json.dumps(dict(datasets=["humaneval"], num_prompts=2, max_new_tokens=8, repetitions=2,
                                           block_sizes=[16], concurrency=[1, 2], settings=["greedy"], methods=["ar"],
@@ -219,9 +222,13 @@ def test_server_mode_reads_tau_from_the_engine(tmp_path):
     expected = [tokenizer(t).input_ids for t in load_prompts("humaneval", 2)[0]]
     assert sent[0] == expected[0]  # the untimed warm-up, then 2 repetitions at each concurrency
     assert sorted(map(tuple, sent)) == sorted(map(tuple, expected * 4 + expected[:1]))
-    server_tables = [t for t in data["meta"]["tables"] if t.get("server")]
-    assert {t["server"] for t in server_tables} == {"plain", "spec", "sgl"}
-    assert all(t["server_cpu_counted"] == ("own" if t["server"] != "plain" else "other") for t in server_tables)
+    arrivals = sorted((float(x), name) for name, path in record.items() for x in path.read_text().split())
+    order = [name for _, name in arrivals]
+    assert order[:3] == ["plain", "spec", "sgl"]  # the warm-ups, then at concurrency 1 every conversation
+    assert order[3:11] == ["plain", "spec", "sgl"] * 2 + ["plain", "spec"]  # goes to each server back to back
+    server_tables = [t for t in data["meta"]["tables"] if t.get("servers")]  # one per table, every server in it
+    assert [t["concurrency"] for t in server_tables] == [1, 2]
+    assert all(t["servers"] == ["plain", "spec", "sgl"] and t["launched"] == ["spec", "sgl"] for t in server_tables)
     assert (out / "server_spec.log").read_text().startswith("fake server on")
     for port in (vllm_port, sglang_port):  # stopped
         with pytest.raises(OSError):

@@ -151,8 +151,8 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
     busy = [t for t in load.get("tables", []) if t.get("busy")]
     lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
              f"{meta['cpu']}.", "", load_note(load) if load else "Load: not recorded.", "",
-             *[f"**Busy: {'server ' + t['server'] + ', ' if t.get('server') else ''}{t['dataset']}, "
-               f"B={t['block_size'] or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
+             *[f"**Busy: {'servers ' + ', '.join(t['servers']) + ', ' if t.get('servers') else ''}{t['dataset']}, "
+               f"B={t.get('block_size') or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
                f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
              *[f"- {name}: {src}" for name, src in sources.items()], "",
              "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back (in brackets: "

@@ -12,8 +12,9 @@ without the drafter, each a `servers` entry of the bench config:
 
 An entry with `launch` is started by the bench (its own process group, log in `out/server_<name>.log`),
 waited for until `/health` answers, and stopped (SIGTERM, then SIGKILL) when its tables are done, also
-on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. Servers run one after
-the other, each over every (dataset, concurrency, setting) table.
+on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. All servers are up at
+once and the tables interleave them: each conversation (each repetition of the set, above concurrency
+1) goes to every server back to back, as the bench interleaves its in-process methods.
 
 Every request carries the bench's own token ids (the chat template applied here, as for our loop), so
 the server and our loop see the same prompts. `api: openai` posts to `/v1/completions` (vLLM, SGLang);
@@ -270,7 +271,9 @@ def parse_spec_metrics(text: str) -> dict[str, Any] | None:
 # -- the tables -----------------------------------------------------------------------------------------
 def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
                 servers_cpu: list[float] | None = None) -> list[dict[str, Any]]:
-    """Every server over every (dataset, concurrency, setting) table: rows as the bench writes them.
+    """Every server over every (dataset, concurrency, setting) table, interleaved: all servers are up
+    together and each conversation (each repetition of the set, above concurrency 1) goes to every
+    server back to back, so slow drifts of the machine hit them alike. Rows as the bench writes them.
     `servers_cpu` gets the CPU seconds of each launched server (its start-up included), which the
     whole run's load record counts as the bench's own."""
     from .config import SETTINGS
@@ -278,40 +281,43 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
 
     runs: dict[tuple, dict[str, list]] = {}  # (dataset, conc, setting) → server name → [(rep, p, Run)]
     info: dict[tuple, dict[str, dict]] = {}
-    for spec in cfg.servers.values():
-        launched = None
-        try:
+    launched: dict[str, Launched] = {}
+    try:
+        for spec in cfg.servers.values():
             if spec.launch:
-                print(f"starting server {spec.name} (log: {Path(cfg.out) / f'server_{spec.name}.log'})", flush=True)
-                launched = Launched(spec, Path(cfg.out) / f"server_{spec.name}.log")
-                launched.wait_ready()
-            client = Client(spec)
-            version = client.version()
-            first = next(iter(sets.values()))
-            _conversation(client, prompter, first, first.conversations[0], cfg, SETTINGS[cfg.settings[0]],
-                          stops, cfg.seed)  # untimed: first-call costs
-            for dataset, prompts in sets.items():
-                for conc in cfg.server_concurrency or cfg.concurrency:
-                    for setting_name in cfg.settings:
-                        key = (dataset, conc, setting_name)
-                        monitor = LoadMonitor(server_cpu=launched.cpu_s if launched else None)
-                        before = client.counters()
-                        items, steps = _table(client, prompter, prompts, cfg, SETTINGS[setting_name], stops, conc)
-                        after = client.counters()
-                        load = monitor.record()
-                        load["server_cpu_counted"] = "own" if launched else "other"
-                        tables.append(dict(dataset=dataset, block_size=spec.block_size, concurrency=conc,
-                                           setting=setting_name, server=spec.name, **load))
-                        runs.setdefault(key, {})[spec.name] = items
-                        info.setdefault(key, {})[spec.name] = dict(
-                            spec=spec, version=version, load=load, steps=steps,
-                            spec_decode=_delta(before, after))
-        finally:
-            if launched:
-                spent = launched.stop()
-                if servers_cpu is not None:
-                    servers_cpu.append(spent)
-                print(f"stopped server {spec.name}", flush=True)
+                log = Path(cfg.out) / f"server_{spec.name}.log"
+                print(f"starting server {spec.name} (log: {log})", flush=True)
+                launched[spec.name] = Launched(spec, log)
+        for name, server in launched.items():
+            server.wait_ready()
+        clients = {spec.name: Client(spec) for spec in cfg.servers.values()}
+        versions = {name: c.version() for name, c in clients.items()}
+        first = next(iter(sets.values()))
+        for client in clients.values():  # untimed: first-call costs
+            _conversation(client, prompter, first, first.conversations[0], cfg, SETTINGS[cfg.settings[0]], stops,
+                          cfg.seed)
+        own = (lambda: sum(s.cpu_s() for s in launched.values())) if launched else None
+        for dataset, prompts in sets.items():
+            for conc in cfg.server_concurrency or cfg.concurrency:
+                for setting_name in cfg.settings:
+                    key = (dataset, conc, setting_name)
+                    monitor = LoadMonitor(server_cpu=own)
+                    before = {name: c.counters() for name, c in clients.items()}
+                    items, steps = _table(clients, prompter, prompts, cfg, SETTINGS[setting_name], stops, conc)
+                    after = {name: c.counters() for name, c in clients.items()}
+                    load = monitor.record()
+                    tables.append(dict(dataset=dataset, concurrency=conc, setting=setting_name,
+                                       servers=list(clients), launched=list(launched), **load))
+                    runs[key] = items
+                    info[key] = {name: dict(spec=cfg.servers[name], version=versions[name], load=load,
+                                            steps=steps[name], spec_decode=_delta(before[name], after[name]))
+                                 for name in clients}
+    finally:
+        for name, server in launched.items():
+            spent = server.stop()
+            if servers_cpu is not None:
+                servers_cpu.append(spent)
+            print(f"stopped server {name}", flush=True)
     return [row for key in runs for row in _rows(key, runs[key], info[key], cfg)]
 
 
@@ -329,29 +335,33 @@ def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, s
     return total, steps
 
 
-def _table(client: Client, prompter, prompts, cfg, setting: dict, stops: list[int], conc: int):
-    """`cfg.repetitions` passes over the set: [(rep, p, Run)] (p: the conversation at concurrency 1, 0 for
-    the whole set above) and the SGLang verify steps over all (None where not reported)."""
+def _table(clients: dict[str, Client], prompter, prompts, cfg, setting: dict, stops: list[int], conc: int):
+    """`cfg.repetitions` passes over the set, every server back to back: per server [(rep, p, Run)] (p: the
+    conversation at concurrency 1, 0 for the whole set above) and its SGLang verify steps over all
+    (None where not reported)."""
     from .methods import Run
 
-    items, steps = [], 0
+    items: dict[str, list] = {name: [] for name in clients}
+    steps: dict[str, int | None] = {name: 0 for name in clients}
+    add = lambda name, s: None if steps[name] is None or s is None else steps[name] + s  # noqa: E731
     convs = prompts.conversations
     for rep in range(cfg.repetitions):
         seed = lambda p: cfg.seed + 1000 * rep + p  # noqa: E731
         if conc == 1:
             for p, conv in enumerate(convs):
-                run, s = _conversation(client, prompter, prompts, conv, cfg, setting, stops, seed(p))
-                items.append((rep, p, run))
-                steps = None if steps is None or s is None else steps + s
+                for name, client in clients.items():  # interleaved: every server on this conversation
+                    run, s = _conversation(client, prompter, prompts, conv, cfg, setting, stops, seed(p))
+                    items[name].append((rep, p, run))
+                    steps[name] = add(name, s)
             continue
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=conc) as pool:
-            done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting, stops,
-                                                          seed(pc[0])), enumerate(convs)))
-        wall = time.perf_counter() - t0
-        items.append((rep, 0, Run(sum(r.new_tokens for r, _ in done), wall)))
-        for _, s in done:
-            steps = None if steps is None or s is None else steps + s
+        for name, client in clients.items():  # the whole set, conc conversations in flight, server by server
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(max_workers=conc) as pool:
+                done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting, stops,
+                                                              seed(pc[0])), enumerate(convs)))
+            items[name].append((rep, 0, Run(sum(r.new_tokens for r, _ in done), time.perf_counter() - t0)))
+            for _, s in done:
+                steps[name] = add(name, s)
     return items, steps
 
 

@@ -6,8 +6,8 @@ each at concurrency 1 and 8, beside our own loop on the same prompts.
         [--prompts 8] [--max-new-tokens 128] [--repetitions 2] [--out docs/results/bench_server_vllm] \
         [key=value ...]                                   # more bench overrides
 
-The bench starts each server on 127.0.0.1 (its log in OUT/server_<name>.log), waits for it, runs its
-tables and stops it; the servers run one after the other, after our own rows. vLLM's CPU build refuses
+The bench starts both servers on 127.0.0.1 (logs in OUT/server_<name>.log), waits for them, sends each
+conversation to both back to back (interleaved, after our own rows) and stops them. vLLM's CPU build refuses
 DFlash 2, so the drafter row is DFlash-1. Setting up the venv: docs/checkpoints.md ("Serving with vLLM").
 """
 
