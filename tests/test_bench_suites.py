@@ -237,6 +237,28 @@ def test_server_mode_reads_tau_from_the_engine(tmp_path):
     assert "| humaneval | — | 1 | greedy | plain | 1.00 |" in md and "server spec: http://127.0.0.1" in md
 
 
+def test_a_launched_server_is_paused_while_another_is_measured(tmp_path):
+    """SIGSTOP / SIGCONT of the launched server's process group; a paused server still stops."""
+    from dflash2.bench.server import Launched
+
+    port = free_port()
+    state = lambda pid: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # noqa: E731
+    server = Launched(ServerSpec.parse("x", {"url": f"http://127.0.0.1:{port}", "launch": fake(port)}), tmp_path / "x.log")
+    try:
+        server.wait_ready()
+        server.pause()
+        assert state(server.proc.pid) == "T"
+        with pytest.raises(OSError):  # it does not answer while paused
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1)
+        server.resume()
+        assert state(server.proc.pid) != "T"
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5)
+        server.pause()
+    finally:
+        server.stop()
+    assert server.proc.poll() is not None
+
+
 def test_server_mode_errors_are_one_line(tmp_path, capsys):
     port = free_port()
     out = tmp_path / "bench"

@@ -14,7 +14,10 @@ An entry with `launch` is started by the bench (its own process group, log in `o
 waited for until `/health` answers, and stopped (SIGTERM, then SIGKILL) when its tables are done, also
 on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. All servers are up at
 once and the tables interleave them: each conversation (each repetition of the set, above concurrency
-1) goes to every server back to back, as the bench interleaves its in-process methods.
+1) goes to every server back to back, as the bench interleaves its in-process methods. While one
+launched server is measured the others are paused (SIGSTOP of their process groups): an idle vLLM
+busy-polls its cores, and two live servers on two cores slow each other. A server the bench did not
+launch cannot be paused; on a small machine let the bench launch them.
 
 Every request carries the bench's own token ids (the chat template applied here, as for our loop), so
 the server and our loop see the same prompts. `api: openai` posts to `/v1/completions` (vLLM, SGLang);
@@ -97,7 +100,7 @@ class Launched:
     """A server process started by the bench: waits until it answers, stops its whole process group."""
 
     def __init__(self, spec: ServerSpec, log: Path) -> None:
-        self.spec, self.log = spec, log
+        self.spec, self.log, self.paused = spec, log, False
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log = log.open("w")
         command = shlex.split(spec.launch) if isinstance(spec.launch, str) else [str(a) for a in spec.launch]
@@ -125,6 +128,17 @@ class Launched:
         raise ValueError(f"server {self.spec.name} did not answer within {self.spec.startup_timeout_s:.0f} s; "
                          f"the end of {self.log}:\n{_tail(self.log)}")
 
+    def pause(self) -> None:
+        """SIGSTOP the whole group: a paused server uses no CPU (an idle vLLM busy-polls its cores)."""
+        if self.proc.poll() is None and not self.paused:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+            self.paused = True
+
+    def resume(self) -> None:
+        if self.proc.poll() is None and self.paused:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+            self.paused = False
+
     def cpu_s(self) -> float:
         """CPU seconds the server's process group has used so far (its processes still alive)."""
         return _group_cpu_s(self.proc.pid)
@@ -134,6 +148,7 @@ class Launched:
         (its live processes' time, minus what reaping the launched process adds to RUSAGE_CHILDREN)."""
         import resource
 
+        self.resume()  # a stopped process would hold SIGTERM until continued
         used = self.cpu_s()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         if self.proc.poll() is None:
@@ -288,12 +303,15 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
                 log = Path(cfg.out) / f"server_{spec.name}.log"
                 print(f"starting server {spec.name} (log: {log})", flush=True)
                 launched[spec.name] = Launched(spec, log)
-        for name, server in launched.items():
+        for server in launched.values():
             server.wait_ready()
         clients = {spec.name: Client(spec) for spec in cfg.servers.values()}
         versions = {name: c.version() for name, c in clients.items()}
+        for server in launched.values():
+            server.pause()  # only the server being measured runs (_only)
         first = next(iter(sets.values()))
-        for client in clients.values():  # untimed: first-call costs
+        for name, client in clients.items():  # untimed: first-call costs
+            _only(launched, name)
             _conversation(client, prompter, first, first.conversations[0], cfg, SETTINGS[cfg.settings[0]], stops,
                           cfg.seed)
         own = (lambda: sum(s.cpu_s() for s in launched.values())) if launched else None
@@ -302,9 +320,10 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
                 for setting_name in cfg.settings:
                     key = (dataset, conc, setting_name)
                     monitor = LoadMonitor(server_cpu=own)
-                    before = {name: c.counters() for name, c in clients.items()}
-                    items, steps = _table(clients, prompter, prompts, cfg, SETTINGS[setting_name], stops, conc)
-                    after = {name: c.counters() for name, c in clients.items()}
+                    before = _counters(clients, launched)
+                    items, steps = _table(clients, launched, prompter, prompts, cfg, SETTINGS[setting_name], stops,
+                                          conc)
+                    after = _counters(clients, launched)
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, concurrency=conc, setting=setting_name,
                                        servers=list(clients), launched=list(launched), **load))
@@ -335,10 +354,30 @@ def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, s
     return total, steps
 
 
-def _table(clients: dict[str, Client], prompter, prompts, cfg, setting: dict, stops: list[int], conc: int):
-    """`cfg.repetitions` passes over the set, every server back to back: per server [(rep, p, Run)] (p: the
-    conversation at concurrency 1, 0 for the whole set above) and its SGLang verify steps over all
-    (None where not reported)."""
+def _only(launched: dict[str, Launched], name: str) -> None:
+    """Let server `name` run and pause every other launched server (an idle engine may spin on its cores,
+    which would slow the one being measured; a server the bench did not launch cannot be paused)."""
+    for other, server in launched.items():
+        if other != name:
+            server.pause()
+    if name in launched:
+        launched[name].resume()
+
+
+def _counters(clients: dict[str, Client], launched: dict[str, Launched]) -> dict[str, dict | None]:
+    """Every server's spec-decode counters (each resumed to answer: a paused server cannot)."""
+    out = {}
+    for name, client in clients.items():
+        _only(launched, name)
+        out[name] = client.counters()
+    return out
+
+
+def _table(clients: dict[str, Client], launched: dict[str, Launched], prompter, prompts, cfg, setting: dict,
+           stops: list[int], conc: int):
+    """`cfg.repetitions` passes over the set, every server back to back, each alone (the others paused):
+    per server [(rep, p, Run)] (p: the conversation at concurrency 1, 0 for the whole set above) and its
+    SGLang verify steps over all (None where not reported)."""
     from .methods import Run
 
     items: dict[str, list] = {name: [] for name in clients}
@@ -350,11 +389,13 @@ def _table(clients: dict[str, Client], prompter, prompts, cfg, setting: dict, st
         if conc == 1:
             for p, conv in enumerate(convs):
                 for name, client in clients.items():  # interleaved: every server on this conversation
+                    _only(launched, name)
                     run, s = _conversation(client, prompter, prompts, conv, cfg, setting, stops, seed(p))
                     items[name].append((rep, p, run))
                     steps[name] = add(name, s)
             continue
         for name, client in clients.items():  # the whole set, conc conversations in flight, server by server
+            _only(launched, name)
             t0 = time.perf_counter()
             with ThreadPoolExecutor(max_workers=conc) as pool:
                 done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting, stops,
