@@ -220,12 +220,12 @@ def test_server_mode_reads_tau_from_the_engine(tmp_path):
 
     tokenizer = load_embedded("dflash2")[0]
     expected = [tokenizer(t).input_ids for t in load_prompts("humaneval", 2)[0]]
-    assert sent[0] == expected[0]  # the untimed warm-up, then 2 repetitions at each concurrency
-    assert sorted(map(tuple, sent)) == sorted(map(tuple, expected * 4 + expected[:1]))
+    assert sent[0] == expected[0]  # the untimed warm-ups (the first prompt), then 2 repetitions at each concurrency
+    assert sorted(map(tuple, sent)) == sorted(map(tuple, expected * 4 + expected[:1] * 5))
     arrivals = sorted((float(x), name) for name, path in record.items() for x in path.read_text().split())
     order = [name for _, name in arrivals]
-    assert order[:3] == ["plain", "spec", "sgl"]  # the warm-ups, then at concurrency 1 every conversation
-    assert order[3:11] == ["plain", "spec", "sgl"] * 2 + ["plain", "spec"]  # goes to each server back to back
+    assert order[:3] == ["plain", "spec", "sgl"]  # first calls, then the servers take turns, a pass each:
+    assert order[3:21] == (["plain"] * 3 + ["spec"] * 3 + ["sgl"] * 3) * 2  # a warm-up and 2 conversations
     server_tables = [t for t in data["meta"]["tables"] if t.get("servers")]  # one per table, every server in it
     assert [t["concurrency"] for t in server_tables] == [1, 2]
     assert all(t["servers"] == ["plain", "spec", "sgl"] and t["launched"] == ["spec", "sgl"] for t in server_tables)

@@ -13,8 +13,9 @@ without the drafter, each a `servers` entry of the bench config:
 An entry with `launch` is started by the bench (its own process group, log in `out/server_<name>.log`),
 waited for until `/health` answers, and stopped (SIGTERM, then SIGKILL) when its tables are done, also
 on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. All servers are up at
-once and the tables interleave them: each conversation (each repetition of the set, above concurrency
-1) goes to every server back to back, as the bench interleaves its in-process methods. While one
+once and the tables interleave them: the servers take turns, one pass over the set each per
+repetition (A B A B), each after one untimed short request (a resumed server's first request is
+slow), so slow drifts of the machine hit them alike. While one
 launched server is measured the others are paused (SIGSTOP of their process groups): an idle vLLM
 busy-polls its cores, and two live servers on two cores slow each other. A server the bench did not
 launch cannot be paused; on a small machine let the bench launch them.
@@ -320,16 +321,14 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
                 for setting_name in cfg.settings:
                     key = (dataset, conc, setting_name)
                     monitor = LoadMonitor(server_cpu=own)
-                    before = _counters(clients, launched)
-                    items, steps = _table(clients, launched, prompter, prompts, cfg, SETTINGS[setting_name], stops,
-                                          conc)
-                    after = _counters(clients, launched)
+                    items, steps, spec_decode = _table(clients, launched, prompter, prompts, cfg, SETTINGS[setting_name],
+                                                       stops, conc)
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, concurrency=conc, setting=setting_name,
                                        servers=list(clients), launched=list(launched), **load))
                     runs[key] = items
                     info[key] = {name: dict(spec=cfg.servers[name], version=versions[name], load=load,
-                                            steps=steps[name], spec_decode=_delta(before[name], after[name]))
+                                            steps=steps[name], spec_decode=spec_decode[name])
                                  for name in clients}
     finally:
         for name, server in launched.items():
@@ -364,46 +363,51 @@ def _only(launched: dict[str, Launched], name: str) -> None:
         launched[name].resume()
 
 
-def _counters(clients: dict[str, Client], launched: dict[str, Launched]) -> dict[str, dict | None]:
-    """Every server's spec-decode counters (each resumed to answer: a paused server cannot)."""
-    out = {}
-    for name, client in clients.items():
-        _only(launched, name)
-        out[name] = client.counters()
-    return out
-
-
 def _table(clients: dict[str, Client], launched: dict[str, Launched], prompter, prompts, cfg, setting: dict,
            stops: list[int], conc: int):
-    """`cfg.repetitions` passes over the set, every server back to back, each alone (the others paused):
-    per server [(rep, p, Run)] (p: the conversation at concurrency 1, 0 for the whole set above) and its
-    SGLang verify steps over all (None where not reported)."""
+    """`cfg.repetitions` passes over the set, the servers taking turns pass by pass (A B A B: slow drifts
+    hit them alike), each alone with the others paused and after one untimed short request (a resumed
+    server's first request is slow). Per server: [(rep, p, Run)] (p: the conversation at concurrency 1,
+    0 for the whole set above), its SGLang verify steps (None where not reported) and its spec-decode
+    counters over the timed requests only."""
     from .methods import Run
 
     items: dict[str, list] = {name: [] for name in clients}
     steps: dict[str, int | None] = {name: 0 for name in clients}
+    spec: dict[str, dict | None] = {name: None for name in clients}
     add = lambda name, s: None if steps[name] is None or s is None else steps[name] + s  # noqa: E731
     convs = prompts.conversations
+    warm = prompter.ids(prompts, convs[0], [])
     for rep in range(cfg.repetitions):
         seed = lambda p: cfg.seed + 1000 * rep + p  # noqa: E731
-        if conc == 1:
-            for p, conv in enumerate(convs):
-                for name, client in clients.items():  # interleaved: every server on this conversation
-                    _only(launched, name)
+        for name, client in clients.items():
+            _only(launched, name)
+            client.generate(warm, 8, setting, stops, cfg.seed)  # untimed
+            before = client.counters()
+            if conc == 1:  # each conversation alone
+                for p, conv in enumerate(convs):
                     run, s = _conversation(client, prompter, prompts, conv, cfg, setting, stops, seed(p))
                     items[name].append((rep, p, run))
                     steps[name] = add(name, s)
-            continue
-        for name, client in clients.items():  # the whole set, conc conversations in flight, server by server
-            _only(launched, name)
-            t0 = time.perf_counter()
-            with ThreadPoolExecutor(max_workers=conc) as pool:
-                done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting, stops,
-                                                              seed(pc[0])), enumerate(convs)))
-            items[name].append((rep, 0, Run(sum(r.new_tokens for r, _ in done), time.perf_counter() - t0)))
-            for _, s in done:
-                steps[name] = add(name, s)
-    return items, steps
+            else:  # the whole set, conc conversations in flight
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(max_workers=conc) as pool:
+                    done = list(pool.map(lambda pc: _conversation(client, prompter, prompts, pc[1], cfg, setting,
+                                                                  stops, seed(pc[0])), enumerate(convs)))
+                items[name].append((rep, 0, Run(sum(r.new_tokens for r, _ in done), time.perf_counter() - t0)))
+                for _, s in done:
+                    steps[name] = add(name, s)
+            spec[name] = _sum(spec[name], _delta(before, client.counters()))
+    return items, steps, spec
+
+
+def _sum(a: dict | None, b: dict | None) -> dict | None:
+    """Two spec-decode deltas as one (None: the server reports no counters)."""
+    if a is None or b is None:
+        return b if a is None else a
+    pa, pb = a["accepted_per_position"], b["accepted_per_position"]
+    positions = [x + y for x, y in zip(pa, pb)] + (pa[len(pb):] if len(pa) > len(pb) else pb[len(pa):])
+    return dict(drafts=a["drafts"] + b["drafts"], accepted=a["accepted"] + b["accepted"], accepted_per_position=positions)
 
 
 def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
