@@ -224,8 +224,9 @@ def main() -> int:
                             "it starts `vllm serve` (vLLM 0.32 CPU build, float32 "
                             "like our target, 127.0.0.1) twice, without a drafter (`vllm_serve_ar`) and with our "
                             "DFlash-1 drafter exported in the reference format (`vllm_serve_dflash1`, 15 draft "
-                            "tokens), sends the same token ids to `/v1/completions` at concurrency 1 and 8, reads τ "
-                            "from the engine's Prometheus counters, and stops each server; our own `ar` and "
+                            "tokens), sends the same token ids to `/v1/completions` at concurrency 1 and 8 (the two "
+                            "servers take turns, one pass over the prompts each per repetition, the idle one paused), "
+                            "reads τ from the engine's Prometheus counters, and stops both servers; our own `ar` and "
                             "`dflash1` rows ran first in the same invocation. Server rows' speedup is against the "
                             "server without a drafter; every request goes through HTTP, so the server's AR is "
                             "slower than the offline engine of the headline table.")
