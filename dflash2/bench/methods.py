@@ -251,10 +251,10 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, 
 
 def _merge_engine(a, b):
     """Two turns' VLLMResults as one: the spec-decode counters add up; the first error stays."""
-    spec = {k: a.spec_decode.get(k, 0) + b.spec_decode.get(k, 0) for k in ("drafts", "draft_tokens", "accepted")}
-    pa, pb = a.spec_decode.get("accepted_per_position", []), b.spec_decode.get("accepted_per_position", [])
-    spec["accepted_per_position"] = [x + y for x, y in zip(pa, pb)] if pa and pb else pa or pb
-    return dataclasses.replace(a, spec_decode=spec, error=a.error or b.error, log_tail=b.log_tail or a.log_tail,
+    from ..engines.vllm import add_counters
+
+    return dataclasses.replace(a, spec_decode=add_counters(a.spec_decode, b.spec_decode), error=a.error or b.error,
+                               log_tail=b.log_tail or a.log_tail,
                                vllm_version=a.vllm_version or b.vllm_version)
 
 

@@ -134,9 +134,8 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
         prompter.check(prompts)
     servers_cpu: list[float] = []  # launched servers' CPU seconds: the bench's own in the whole run's record
     rows, tables, whole = [], [], LoadMonitor(server_cpu=lambda: sum(servers_cpu))
-    sources = {d: ps.source + (", chat template" + ("" if cfg.enable_thinking is None else
-                                                    f", enable_thinking={cfg.enable_thinking}")
-                               if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
+    template = ", chat template" + ("" if cfg.enable_thinking is None else f", enable_thinking={cfg.enable_thinking}")
+    sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
     for dataset, prompts in sets.items():
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:

@@ -53,6 +53,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from ..engines.vllm import add_counters
+
 APIS = ("openai", "sglang")
 LOCAL_HOSTS = ("127.0.0.1", "localhost")
 
@@ -397,17 +399,8 @@ def _table(clients: dict[str, Client], launched: dict[str, Launched], prompter, 
                 items[name].append((rep, 0, Run(sum(r.new_tokens for r, _ in done), time.perf_counter() - t0)))
                 for _, s in done:
                     steps[name] = add(name, s)
-            spec[name] = _sum(spec[name], _delta(before, client.counters()))
+            spec[name] = add_counters(spec[name], _delta(before, client.counters()))
     return items, steps, spec
-
-
-def _sum(a: dict | None, b: dict | None) -> dict | None:
-    """Two spec-decode deltas as one (None: the server reports no counters)."""
-    if a is None or b is None:
-        return b if a is None else a
-    pa, pb = a["accepted_per_position"], b["accepted_per_position"]
-    positions = [x + y for x, y in zip(pa, pb)] + (pa[len(pb):] if len(pa) > len(pb) else pb[len(pa):])
-    return dict(drafts=a["drafts"] + b["drafts"], accepted=a["accepted"] + b["accepted"], accepted_per_position=positions)
 
 
 def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:

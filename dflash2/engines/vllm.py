@@ -58,6 +58,22 @@ class VLLMResult:
         return [a / drafts for a in self.spec_decode.get("accepted_per_position", [])] if drafts else []
 
 
+def add_counters(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two sets of spec-decode counters (drafts, accepted, accepted_per_position, ...) as one: numbers
+    add, per-position lists add element by element; None (no counters) leaves the other as it is."""
+    if a is None or b is None:
+        return b if a is None else a
+    out: dict[str, Any] = {}
+    for key in a.keys() | b.keys():
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, list) or isinstance(y, list):
+            x, y = x or [], y or []
+            out[key] = [p + q for p, q in zip(x, y)] + (x[len(y):] if len(x) > len(y) else y[len(x):])
+        else:
+            out[key] = (x or 0) + (y or 0)
+    return out
+
+
 def refusal_reason(error: str) -> str:
     """The line of an engine error that says why, one line for a table (pydantic wraps vLLM's
     reason in several lines and a `[type=...]` tail)."""
@@ -110,4 +126,4 @@ def run_vllm(python: str | Path, target: str | Path, prompts: list[list[int]], *
                       vllm_version=data.get("vllm_version"), log_tail=log)
 
 
-__all__ = ["VLLMResult", "refusal_reason", "run_vllm", "WORKER"]
+__all__ = ["VLLMResult", "add_counters", "refusal_reason", "run_vllm", "WORKER"]
