@@ -25,7 +25,20 @@ def test_an_interpreter_without_vllm_comes_back_as_an_error_not_a_crash(tmp_path
     if any(p for p in sys.path if os.path.isdir(os.path.join(p, "vllm"))):
         pytest.skip("this interpreter has vLLM")
     result = run_vllm(sys.executable, tmp_path, [[1, 2]], max_new_tokens=4)
-    assert result.error is not None and "vllm" in result.error and result.outputs == []
+    assert result.error == "ModuleNotFoundError: No module named 'vllm'" and result.outputs == []
+
+
+def test_the_worker_imports_the_venvs_vllm_not_the_module_beside_it(tmp_path, monkeypatch):
+    """The worker lives next to dflash2/engines/vllm.py, and a script's directory comes first on
+    sys.path: without care `import vllm` finds that module ("cannot import name 'LLM'") and every
+    engine row is refused. A stand-in vllm package on the path must be the one reached."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(
+        "class LLM:\n    def __init__(self, **kwargs):\n        raise ValueError('stand-in engine reached')\n"
+        "class SamplingParams:\n    pass\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    result = run_vllm(sys.executable, tmp_path, [[1, 2]], max_new_tokens=4)
+    assert result.error == "ValueError: stand-in engine reached"
 
 
 def test_tau_and_acceptance_come_from_the_spec_decode_counters():

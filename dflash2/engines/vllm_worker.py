@@ -11,9 +11,15 @@ warm-up, the engine's spec-decode counters, or the error with which vLLM refused
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import traceback
+
+# Python puts this file's directory first on sys.path, and that directory holds dflash2's own
+# engines/vllm.py: `import vllm` must find the venv's package, not that module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 
 
 def counters(llm) -> dict:
