@@ -26,13 +26,44 @@ def drafter_for(target, seed=0, **fields) -> DFlash2Drafter:
     return d.eval()
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_steps_equal_the_models_forward(arch):
+def extra_target(name: str):
+    """Layouts the fused step must write out too (q/k/v and MLP biases, per-layer sliding windows, a
+    YaRN RoPE), and one it must leave to the model's layers (a RoPE that depends on the length)."""
+    import transformers
+
+    common = dict(vocab_size=MASK + 1, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256)
+    cls, config = {
+        "qwen2_biased_sliding": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config(
+            **common, use_sliding_window=True, sliding_window=6, max_window_layers=2)),
+        "llama_biased": (transformers.LlamaForCausalLM, transformers.LlamaConfig(**common, attention_bias=True,
+                                                                                 mlp_bias=True)),
+        "llama_yarn": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            **common, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                       "original_max_position_embeddings": 64})),
+        "llama_dynamic_rope": (transformers.LlamaForCausalLM, transformers.LlamaConfig(
+            **common, rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})),
+    }[name]
+    torch.manual_seed(0)
+    model = cls(config).to(torch.float64).eval()
+    with torch.no_grad():
+        for name_, p in model.named_parameters():
+            if name_.endswith("bias"):
+                p.normal_(0, 0.5)  # HF initialises biases to zero: make them count
+    return model
+
+
+@pytest.mark.parametrize("arch, fused", [(a, True) for a in ARCHS] + [(a, False) for a in ARCHS]
+                         + [("qwen2_biased_sliding", True), ("llama_biased", True), ("llama_yarn", True),
+                            ("llama_dynamic_rope", False)])
+def test_steps_equal_the_models_forward(arch, fused):
     """Prefill, verify passes, rollbacks, a kept non-prefix path and a tree: logits and features equal
-    TargetAdapter's (the model's forward over its own cache), the last layer's normed state included."""
-    target = tiny_target(arch)
+    TargetAdapter's (the model's forward over its own cache), the last layer's normed state included;
+    through the fused step where the layout allows it (`fused`: whether it does), else the model's layers."""
+    target = tiny_target(arch) if arch in ARCHS else extra_target(arch)
     layers = (0, 2, target.config.num_hidden_layers - 1)
-    ours, theirs = StaticTarget(target, layers), TargetAdapter(target, layers)
+    ours, theirs = StaticTarget(target, layers, fused=fused or arch not in ARCHS), TargetAdapter(target, layers)
+    assert (ours.fused is not None) == fused, ours.fused_reason
     a, b = ours.new_cache(), theirs.new_cache()
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(0, MASK, (1, n), generator=g)  # noqa: E731
@@ -119,3 +150,21 @@ def test_unsupported_targets_and_batches_are_refused():
     small = StaticTarget(tiny_target("qwen3"), capacity=8)
     with pytest.raises(ValueError, match="holds 8"):
         small.forward(torch.zeros(1, 9, dtype=torch.long), small.new_cache())
+
+
+def test_a_wrong_fused_layer_is_caught():
+    """The check above is tight enough for the fused step's details: without Qwen3's per-head q/k norm,
+    or with RoPE's rotation turned the other way, the logits move far past its tolerance."""
+    target = tiny_target("qwen3")
+    ids = torch.randint(0, MASK, (1, 9), generator=torch.Generator().manual_seed(2))
+    want = TargetAdapter(target).forward(ids, TargetAdapter(target).new_cache()).logits
+    for mutate in ("no qk norm", "rope reversed"):
+        fast = StaticTarget(target)
+        if mutate == "no qk norm":
+            for layer in fast.fused.layers:
+                layer.qk_norm = None
+        else:
+            rotary = fast.fused.rotary
+            fast.fused.rotary = lambda x, pos: tuple(t * s for t, s in zip(rotary(x, pos), (1, -1)))
+        got = fast.forward(ids, fast.new_cache()).logits
+        assert (got - want).abs().max() > 1e-4, mutate

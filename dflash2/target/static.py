@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
+from .fused import FusedDecoder, Linear, fusable
 from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -71,10 +72,13 @@ class StaticTarget(TargetAdapter):
 
     capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
     compile: put the step through torch.compile(dynamic=True) on first use.
+    fused: run the decoder written out (dflash2.target.fused: q/k/v and gate/up as one matrix each,
+           oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
+           otherwise); False: always the model's own layer modules.
     """
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), *, capacity: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, fused: bool = True) -> None:
         super().__init__(model, layer_ids)
         kind = getattr(self.config, "model_type", None)
         if kind not in SUPPORTED or self.hybrid:
@@ -91,6 +95,11 @@ class StaticTarget(TargetAdapter):
         self.layer_kinds = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
         layer_params = inspect.signature(self.decoder.layers[0].forward).parameters
         self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
+        self.fused: FusedDecoder | None = None
+        self.fused_reason = "fused=False" if not fused else fusable(model)
+        if self.fused_reason is None:
+            self.fused = FusedDecoder(model, self.layer_kinds, self.layer_ids)
+            self.head = Linear(self.head.weight, self.head.bias)
         if compile:
             _allow_recompiles(64)
         self._compiled, self._warm = compile, False
@@ -156,9 +165,14 @@ class StaticTarget(TargetAdapter):
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        step = self._run if start > 0 else self._step  # a prefill runs once per sequence: eager
-        with _quiet_output_hooks(), masked_gqa(self.config):  # grouped heads without copying K/V per head
+        # eager: a prefill (once per sequence), and a fused one-token step, for which the compiled graph's
+        # call costs more than its fusions save (docs/architecture.md, "Performance choices")
+        step = self._step if start == 0 or (T == 1 and self.fused is not None) else self._run
+        if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
+        else:
+            with _quiet_output_hooks(), masked_gqa(self.config):  # grouped heads without copying K/V per head
+                normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         cache.length = start + T
         return self.head(normed[:, -(keep_logits or T):]), features
 
@@ -193,6 +207,9 @@ class StaticTarget(TargetAdapter):
               values: list[Tensor], start: int) -> tuple[Tensor, Tensor | None]:
         """The model's layers over the pass (K/V written from slot `start`): → final-normed hidden
         states [1, T, H] (the LM head runs outside, on the rows wanted) and features [1, T, F] or None."""
+        if self.fused is not None:
+            normed, kept = self.fused.step(ids, positions, masks, keys, values, start)
+            return normed, (torch.cat(kept, dim=-1) if kept else None)
         cache = _Writer(keys, values, start)
         x = self.decoder.embed_tokens(ids)
         rope = self.decoder.rotary_emb(x, positions)

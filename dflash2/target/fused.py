@@ -1,0 +1,225 @@
+"""The target's decoder step written out, gpt-fast style, for Llama-family targets.
+
+StaticTarget's default step. It reads the model's weights once and runs the same arithmetic as the
+model's own layers with fewer, larger operations:
+
+    x = embed[ids]                                                   [1, T, H]
+    for each layer:
+        q, k, v = split(rms_norm(x) @ Wqkv)                          one matrix for q, k and v
+        q, k    = rope(rms_norm_per_head(q), rms_norm_per_head(k))   (the per-head norms: Qwen3)
+        K[start:end], V[start:end] = k, v                            the preallocated cache
+        x      += attention(q, K[:end], V[:end], mask) @ Wo
+        gate, up = split(rms_norm(x) @ Wgu)                          one matrix for gate and up
+        x      += (silu(gate) * up) @ Wd
+    → rms_norm(x)
+
+so a layer runs four matrix products instead of seven, and RoPE is a lookup in tables computed
+computed by the model's own rotary module once per pass. On CPU, float32 and bfloat16 weights are prepacked for
+oneDNN's matrix multiply (the layout inductor's weight freezing uses), which reads the weights of
+a one-token or a 16-token pass faster than the unpacked `F.linear`
+(docs/architecture.md, "Performance choices"); other devices and dtypes use `F.linear`.
+
+What the model's layers do and this step must do too: Qwen3's per-head q/k norms, Qwen2's q/k/v
+biases, Llama's optional attention and MLP biases, the attention module's own `scaling`, sliding
+windows (by the masks the caller builds). `fusable(model)` says why a model's layers are not
+written out here (a RoPE that depends on the sequence length, another activation or norm, partial
+rotary); StaticTarget then runs the model's own layers.
+
+The weights are copied at construction (concatenated, packed): a model whose weights change
+afterwards needs a new StaticTarget.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..layers import SDPA_GQA
+
+# RoPE types whose tables depend on the sequence length, not only on the position.
+LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
+
+
+@torch.library.custom_op("dflash2::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """oneDNN's linear with a weight prepacked by mkldnn._reorder_linear_weight (`weight`: the plain one,
+    for the output's shape); an operator of its own, so that a compiled step calls it as it is."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class Linear:
+    """y = x Wᵀ + b. CPU float32/bfloat16: W prepacked once for oneDNN; elsewhere F.linear."""
+
+    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
+        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+        self.packed = None
+        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _onednn():
+            # oneDNN picks its weight layout from the expected rows per call; measured choices
+            hint = 1 if weight.dtype == torch.bfloat16 else None
+            args = (self.weight,) if hint is None else (self.weight, hint)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(*args)
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.packed is not None and x.dtype == self.weight.dtype:
+            if torch.compiler.is_compiling():
+                return packed_linear(x, self.packed, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+@dataclass
+class Layer:
+    ln_attn: Tensor  # [H] input_layernorm weight
+    qkv: Linear  # H → (nq + 2 nkv) hd
+    qk_norm: Tensor | None  # [nq + nkv, hd]: q_norm's weight on the q heads, k_norm's on the k heads
+    o: Linear  # nq hd → H
+    ln_mlp: Tensor  # [H] post_attention_layernorm weight
+    gate_up: Linear  # H → 2 I
+    down: Linear  # I → H
+    kind: str  # the layer's attention kind (its mask)
+
+
+def _onednn() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _cat(*ts: Tensor | None) -> Tensor | None:
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        raise ValueError("some projections have a bias and some not")
+    return torch.cat(ts)  # type: ignore[arg-type]
+
+
+def fusable(model: nn.Module) -> str | None:
+    """None when every layer of the (Llama-family) model is one this module writes out, else why not."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"hidden_act {config.hidden_act!r} (the written-out MLP is SiLU-gated)"
+    rope = getattr(decoder, "rotary_emb", None)
+    if rope is None or getattr(rope, "rope_type", "default") in LENGTH_DEPENDENT_ROPE:
+        return f"RoPE type {getattr(rope, 'rope_type', None)!r} depends on the sequence length"
+    norms = [decoder.norm] + [m for layer in decoder.layers for m in (layer.input_layernorm, layer.post_attention_layernorm)]
+    if not all(type(m).__name__.endswith("RMSNorm") and hasattr(m, "variance_epsilon") for m in norms):
+        return "a norm other than RMSNorm"
+    for layer in decoder.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        names = ("q_proj", "k_proj", "v_proj", "o_proj")
+        if not all(isinstance(getattr(attn, n, None), nn.Linear) for n in names):
+            return "attention without q/k/v/o linear projections"
+        if not all(isinstance(getattr(mlp, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj")):
+            return "an MLP without gate/up/down projections"
+        if (getattr(attn, "q_norm", None) is None) != (getattr(attn, "k_norm", None) is None):
+            return "a q norm without a k norm"
+    return None
+
+
+class FusedDecoder:
+    """The model's decoder as written-out weights and one step function (module docstring)."""
+
+    def __init__(self, model: nn.Module, layer_kinds: list[str], keep: tuple[int, ...] = ()) -> None:
+        why = fusable(model)
+        if why is not None:
+            raise NotImplementedError(f"the fused step does not run this model: {why}")
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+        self.embed = decoder.embed_tokens.weight.detach()
+        self.eps = float(decoder.norm.variance_epsilon)
+        self.norm = decoder.norm.weight.detach()
+        attn0 = decoder.layers[0].self_attn
+        self.head_dim = int(attn0.head_dim)
+        self.n_q = attn0.q_proj.out_features // self.head_dim
+        self.n_kv = attn0.k_proj.out_features // self.head_dim
+        self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
+        self.layers = [self._layer(layer, kind) for layer, kind in zip(decoder.layers, layer_kinds)]
+        self.keep = tuple(keep)  # the layers whose hidden states a pass returns, in this order
+        self.kept_after = [i in self.keep for i in range(len(self.layers))]
+        self.rotary = decoder.rotary_emb
+        cos, _ = self.rotary(self.embed[:1][None], torch.zeros(1, 1, dtype=torch.long, device=self.embed.device))
+        if cos.shape[-1] != self.head_dim:
+            raise NotImplementedError(f"partial rotary ({cos.shape[-1]} of {self.head_dim} dims) is not written out")
+
+    def _layer(self, layer: nn.Module, kind: str) -> Layer:
+        a, m = layer.self_attn, layer.mlp
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            if float(norm.variance_epsilon) != self.eps:
+                raise NotImplementedError("layers with different RMSNorm epsilons are not written out")
+        qk_norm = None
+        if getattr(a, "q_norm", None) is not None:
+            if float(a.q_norm.variance_epsilon) != self.eps or float(a.k_norm.variance_epsilon) != self.eps:
+                raise NotImplementedError("q/k norms with their own epsilon are not written out")
+            qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.n_q, -1),
+                                 a.k_norm.weight.detach().expand(self.n_kv, -1)])
+        w = lambda *ps: torch.cat([p.weight.detach() for p in ps]).contiguous()  # noqa: E731
+        return Layer(
+            ln_attn=layer.input_layernorm.weight.detach(),
+            qkv=Linear(w(a.q_proj, a.k_proj, a.v_proj), _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
+            qk_norm=qk_norm,
+            o=Linear(a.o_proj.weight.detach(), a.o_proj.bias),
+            ln_mlp=layer.post_attention_layernorm.weight.detach(),
+            gate_up=Linear(w(m.gate_proj, m.up_proj), _cat(m.gate_proj.bias, m.up_proj.bias)),
+            down=Linear(m.down_proj.weight.detach(), m.down_proj.bias),
+            kind=kind)
+
+    def step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
+             values: list[Tensor], start: int) -> tuple[Tensor, list[Tensor]]:
+        """ids [1, T] at `positions` [1, T]; K/V written to slots start..start+T of keys/values
+        ([1, n_kv, capacity, hd] per layer); masks: additive [1, 1, T, start+T] per layer kind, or
+        None (a query that sees every key). → final-normed hidden states [1, T, H], and the hidden
+        states after each layer of `self.keep`, in its order (the last layer's: the normed one, as HF
+        reports it)."""
+        T, end = ids.shape[1], start + ids.shape[1]
+        hd, nq, nkv, eps = self.head_dim, self.n_q, self.n_kv, self.eps
+        x = F.embedding(ids, self.embed)  # [1, T, H]
+        # the model's rotary module, per pass as its forward calls it (its float32 cos/sin of a position are
+        # not the same to the last bit in every pass shape); rotate_half(x) * sin = roll(x, hd/2) * signed sin
+        cos, sin = self.rotary(x, positions)  # [1, T, hd]
+        cos, sin = cos[0, :, None], torch.cat([-sin[0, :, None, : hd // 2], sin[0, :, None, hd // 2:]], dim=-1)  # [T, 1, hd]
+        kept: dict[int, Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.ln_attn, eps)
+            qkv = layer.qkv(h)  # [1, T, (nq + 2 nkv) hd]
+            qk = qkv[..., : (nq + nkv) * hd].view(1, T, nq + nkv, hd)
+            if layer.qk_norm is not None:
+                qk = _rms_norm(qk, layer.qk_norm, eps)
+            qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
+            q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)  # [1, heads, T, hd]
+            keys[i][:, :, start:end] = k
+            values[i][:, :, start:end] = qkv[..., (nq + nkv) * hd:].view(1, T, nkv, hd).transpose(1, 2)
+            o = _attention(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.kind], self.scaling)
+            x = x + layer.o(o.transpose(1, 2).reshape(1, T, nq * hd))
+            gate, up = layer.gate_up(_rms_norm(x, layer.ln_mlp, eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if self.kept_after[i]:
+                kept[i] = x
+        normed = _rms_norm(x, self.norm, eps)
+        kept[len(self.layers) - 1] = normed
+        return normed, [kept[i] for i in self.keep]
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """The models' RMSNorm: normalized in float32 (whatever x's dtype, float64 included), cast back,
+    then scaled: weight * (x / rms(x)).to(x.dtype). In float32 one fused call gives the same bits."""
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """q [1, nq, T, hd], k/v [1, nkv, S, hd] (grouped heads) → [1, nq, T, hd]."""
+    if SDPA_GQA:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+__all__ = ["FusedDecoder", "Linear", "fusable"]
