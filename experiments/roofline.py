@@ -5,8 +5,10 @@
 Measures on this machine (run it quiet: nothing else running):
   * memory read bandwidth: a sum over 256 MB of float32 (torch, this process's threads);
   * matmul throughput: the target's own linear layers run back to back for n tokens (n = 1 ... 128),
-    i.e. every weight matrix read once per pass, as a forward pass reads them;
-  * whole target passes: the model's forward (TargetAdapter) and StaticTarget (compiled) at batch 1,
+    i.e. every weight matrix read once per pass, as a forward pass reads them; through F.linear (the
+    model's forward) and through the oneDNN-prepacked weights of StaticTarget's fused step;
+  * whole target passes: the model's forward (TargetAdapter) and StaticTarget (its model's layers
+    compiled; the fused step, eager and with multi-token passes compiled) at batch 1,
     one token and 16 tokens, and batches of 8 rows (the model's forward) with 1 and 16 tokens per row.
 and sets each against its floor: max(weight bytes / bandwidth, FLOPs / the best matmul throughput).
 docs/results.md shows the table (experiments/embedded/report.py).
@@ -25,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash2 import StaticTarget, TargetAdapter
+from dflash2.target.fused import Linear
 from dflash2.embedded import load_embedded
 
 
@@ -57,12 +60,15 @@ def main(argv=None) -> int:
     linears = [m for m in target.modules() if isinstance(m, torch.nn.Linear)]
     weight_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     params = sum(m.weight.numel() for m in linears)  # multiply-adds per token
-    matmul = {}
+    packed = [Linear(m.weight, m.bias) for m in linears]  # what StaticTarget's fused step multiplies with
+    matmul, matmul_packed = {}, {}
     for n in (1, 8, 16, 64, 128):
         xs = {m.in_features: torch.randn(n, m.in_features) for m in linears}
         seconds = timed(lambda: [m(xs[m.in_features]) for m in linears])
         matmul[n] = {"seconds": seconds, "gflops": 2 * params * n / seconds / 1e9}
-    peak = max(v["gflops"] for v in matmul.values()) * 1e9
+        seconds = timed(lambda: [p(xs[p.weight.shape[1]]) for p in packed])
+        matmul_packed[n] = {"seconds": seconds, "gflops": 2 * params * n / seconds / 1e9}
+    peak = max(v["gflops"] for v in (*matmul.values(), *matmul_packed.values())) * 1e9
 
     def floor(tokens: int) -> float:
         return max(weight_bytes / bandwidth, 2 * params * tokens / peak)
@@ -70,8 +76,12 @@ def main(argv=None) -> int:
     g = torch.Generator().manual_seed(0)
     context = torch.randint(3, 4000, (1, args.context), generator=g)
     passes = []
-    for name, adapter in (("model forward (TargetAdapter)", TargetAdapter(target, drafter.target_layer_ids)),
-                          ("StaticTarget, compiled", StaticTarget(target, drafter.target_layer_ids, compile=True))):
+    layers = drafter.target_layer_ids
+    for name, adapter in (("model forward (TargetAdapter)", TargetAdapter(target, layers)),
+                          ("StaticTarget, the model's layers, compiled",
+                           StaticTarget(target, layers, compile=True, fused=False)),
+                          ("StaticTarget, fused, eager", StaticTarget(target, layers)),
+                          ("StaticTarget, fused (multi-token passes compiled)", StaticTarget(target, layers, compile=True))):
         cache = adapter.new_cache()
         adapter.forward(context, cache, keep_logits=1)
         for tokens in (1, 16):
@@ -97,7 +107,7 @@ def main(argv=None) -> int:
                             machine=platform.platform(), cpu=cpu_description(), context=args.context,
                             load=monitor.record()),
                   bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes / 1e6, macs_per_token=params,
-                  matmul=matmul, passes=passes)
+                  matmul=matmul, matmul_packed=matmul_packed, passes=passes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.1f} MB; best matmul {peak / 1e9:.0f} GFLOP/s")

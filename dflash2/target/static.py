@@ -12,9 +12,14 @@ model, but calls them directly:
     logits = lm_head(norm(x))
 
 with a cache whose keys and values live in buffers allocated once per sequence (slot = position,
-so a rollback only moves the length back), and a mask built from positions. The step can be put
-through `torch.compile` (`compile=True`: dynamic shapes, so the growing cache length compiles once
-per pass width), as gpt-fast compiles its decoder; the eager path is the same function.
+so a rollback only moves the length back), and a mask built from positions. By default the layers
+are not called as modules but written out (`dflash2.target.fused`: q/k/v and gate/up as one matrix
+each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
+calls the model's layer modules as above. The step can be put through `torch.compile`
+(`compile=True`: dynamic shapes, so the growing cache length compiles once per pass width), as
+gpt-fast compiles its decoder; prefills, and the fused step's one-token passes, stay eager (the
+compiled graph's call costs a one-token step more than its fusions save: docs/architecture.md,
+"Performance choices"); the eager path is the same function.
 
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
 (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).

@@ -156,8 +156,9 @@ def main() -> int:
                   "`_bf16` run the same drafters in bfloat16 while the target stays float32, so the output is the same "
                   "(chosen where the CPU multiplies bfloat16 natively). Rows with `_compiled` run the drafter's "
                   "backbone through `torch.compile`; rows ending in `_static` run the target's step through "
-                  "`StaticTarget` (its own layers over a preallocated cache, compiled), the others through the "
-                  "model's forward. The `vllm_*` rows are vLLM's CPU build on the same prompts and target, each "
+                  "`StaticTarget` (the decoder written out over a preallocated cache: fused q/k/v and gate/up "
+                  "matrices prepacked for oneDNN, one-token passes eager, multi-token passes compiled), the others "
+                  "through the model's forward. The `vllm_*` rows are vLLM's CPU build on the same prompts and target, each "
                   "request alone (batch 1), in float32 like ours and in bfloat16 (`_bf16`, vLLM's default for this "
                   "checkpoint); `vllm_dflash1` serves our DFlash-1 drafter exported in the reference format.", "",
                   bench.read_text(), ""]
@@ -243,7 +244,8 @@ def _roofline_section() -> list[str]:
     if not path.is_file():
         return []
     r = json.loads(path.read_text())
-    best = max(v["gflops"] for v in r["matmul"].values())
+    packed = r.get("matmul_packed", {})
+    best = max(v["gflops"] for v in (*r["matmul"].values(), *packed.values()))
     lines = ["## Roofline: a target pass against the machine's limits", "",
              f"`{r['meta']['command']}` ({r['meta']['date']}, {r['meta']['cpu']}, {r['meta']['context']} cached positions). "
              f"The embedded target's linear layers hold {r['weight_mb']:.1f} MB of float32 weights "
@@ -252,9 +254,14 @@ def _roofline_section() -> list[str]:
              f"{best:.0f} GFLOP/s. A pass cannot take less than the larger of the two floors: reading every "
              "weight once, and its FLOPs at that throughput.", "",
              *([load_note(r["meta"]["load"]), ""] if "load" in r["meta"] else ["Load: not recorded.", ""]),
-             "| the target's linear layers, back to back | tokens per pass | ms | GFLOP/s |", "|---|---|---|---|",
-             *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} |"
-               for n, v in r["matmul"].items()], "",
+             *(["| the target's linear layers, back to back | tokens per pass | ms, F.linear | GFLOP/s | "
+                "ms, oneDNN-prepacked (the fused step's) | GFLOP/s |", "|---|---|---|---|---|---|",
+                *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} | "
+                  f"{1e3 * packed[n]['seconds']:.2f} | {packed[n]['gflops']:.0f} |" for n, v in r["matmul"].items()]]
+               if packed else
+               ["| the target's linear layers, back to back | tokens per pass | ms | GFLOP/s |", "|---|---|---|---|",
+                *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} |"
+                  for n, v in r["matmul"].items()]]), "",
              "| pass | rows × tokens | ms | floor, ms | ms per token |", "|---|---|---|---|---|",
              *[f"| {p['path']} | {p['rows']} × {p['tokens']} | {1e3 * p['seconds']:.2f} | {1e3 * p['floor']:.2f} | "
                f"{1e3 * p['seconds'] / (p['rows'] * p['tokens']):.3f} |" for p in r["passes"]], ""]
@@ -272,6 +279,14 @@ def _roofline_section() -> list[str]:
               "the remaining time is per-call overhead (operator dispatch, the compiled graph's guards, small "
               "matrix-vector products that do not reach the memory bandwidth), which batching amortises and "
               "speculative decoding divides by τ.", ""]
+    if packed:
+        lines += ["StaticTarget's fused step (`dflash2/target/fused.py`, its default) cuts the first and the last of "
+                  "those: four matrix products per layer instead of seven (q/k/v and gate/up as one matrix each), "
+                  "weights prepacked for oneDNN (the table above: the same products, faster, most of all for the "
+                  "16-token verify), and one-token passes left eager, where the compiled graph's call (its guards, "
+                  "its wrapper) cost more than its fused elementwise kernels saved. What remains of a one-token step "
+                  "above the products is the eager operators between them (norms, RoPE, attention, the cache "
+                  "writes): a few microseconds each, about 20 per layer.", ""]
     freezing = _load("static_freezing.json")
     if freezing is not None:
         by = lambda v: ", ".join(f"{r['tokens_per_s']:.0f}" for r in freezing["runs"] if r["variant"] == v)  # noqa: E731
@@ -280,7 +295,8 @@ def _roofline_section() -> list[str]:
                   f"{freezing['other_cpu']}): inductor's `freezing` on the compiled StaticTarget step gave {by('freezing')} "
                   f"tokens/s of plain decoding against {by('plain')} without it, one process each, alternating. Which is "
                   "faster changes from process to process: the difference is within this VM's drift, so "
-                  "StaticTarget does not freeze.", ""]
+                  "StaticTarget does not freeze. (Inductor packs float32 weights for MKL's matmul, which the table "
+                  "above does not favour; the fused step packs them for oneDNN itself.)", ""]
     return lines
 
 
