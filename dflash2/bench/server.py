@@ -132,15 +132,19 @@ class Launched:
                          f"the end of {self.log}:\n{_tail(self.log)}")
 
     def pause(self) -> None:
-        """SIGSTOP the whole group: a paused server uses no CPU (an idle vLLM busy-polls its cores)."""
+        """SIGSTOP the whole group: a paused server uses no CPU (an idle vLLM busy-polls its cores).
+        Returns once the group's processes are stopped (signals arrive asynchronously): the next
+        measurement must not start beside a server still running."""
         if self.proc.poll() is None and not self.paused:
             os.killpg(self.proc.pid, signal.SIGSTOP)
             self.paused = True
+            _wait_group_state(self.proc.pid, stopped=True)
 
     def resume(self) -> None:
         if self.proc.poll() is None and self.paused:
             os.killpg(self.proc.pid, signal.SIGCONT)
             self.paused = False
+            _wait_group_state(self.proc.pid, stopped=False)
 
     def cpu_s(self) -> float:
         """CPU seconds the server's process group has used so far (its processes still alive)."""
@@ -176,6 +180,30 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def _group_states(pgid: int) -> list[str]:
+    """The /proc state letter of every live process in process group `pgid` ([] where /proc is absent)."""
+    states = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            after = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(after) > 2 and int(after[2]) == pgid:
+            states.append(after[0])
+    return states
+
+
+def _wait_group_state(pgid: int, stopped: bool, timeout_s: float = 5.0) -> None:
+    """Wait until every process of the group is stopped (state T) or none is; gives up after timeout_s
+    (a process in uninterruptible sleep stops when it wakes) and where /proc is absent."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        states = [s for s in _group_states(pgid) if s not in ("Z", "X")]  # zombies neither run nor stop
+        if all((s in ("T", "t")) == stopped for s in states):
+            return
+        time.sleep(0.005)
 
 
 def _group_cpu_s(pgid: int) -> float:
