@@ -17,9 +17,9 @@ are not called as modules but written out (`dflash2.target.fused`: q/k/v and gat
 each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
 calls the model's layer modules as above. The step can be put through `torch.compile`
 (`compile=True`: dynamic shapes, so the growing cache length compiles once per pass width), as
-gpt-fast compiles its decoder; prefills, and the fused step's one-token passes, stay eager (the
-compiled graph's call costs a one-token step more than its fusions save: docs/architecture.md,
-"Performance choices"); the eager path is the same function.
+gpt-fast compiles its decoder; prefills, and the fused step's one-token passes, stay eager (a
+compiled one-token graph saved nothing measurable over the eager fused step, and spends its call on
+dynamo's guards: docs/architecture.md, "Performance choices"); the eager path is the same function.
 
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
 (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
@@ -170,8 +170,8 @@ class StaticTarget(TargetAdapter):
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        # eager: a prefill (once per sequence), and a fused one-token step, for which the compiled graph's
-        # call costs more than its fusions save (docs/architecture.md, "Performance choices")
+        # eager: a prefill (once per sequence), and a fused one-token step, which its compiled graph did not
+        # make measurably faster (docs/architecture.md, "Performance choices")
         step = self._step if start == 0 or (T == 1 and self.fused is not None) else self._run
         if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)

@@ -283,8 +283,8 @@ def _roofline_section() -> list[str]:
         lines += ["StaticTarget's fused step (`dflash2/target/fused.py`, its default) cuts the first and the last of "
                   "those: four matrix products per layer instead of seven (q/k/v and gate/up as one matrix each), "
                   "weights prepacked for oneDNN (the table above: the same products, faster, most of all for the "
-                  "16-token verify), and one-token passes left eager, where the compiled graph's call (its guards, "
-                  "its wrapper) cost more than its fused elementwise kernels saved. What remains of a one-token step "
+                  "16-token verify), and one-token passes left eager, where a compiled graph (its guards, its "
+                  "wrapper) saved nothing measurable over the fused eager step. What remains of a one-token step "
                   "above the products is the eager operators between them (norms, RoPE, attention, the cache "
                   "writes): a few microseconds each, about 20 per layer.", ""]
     freezing = _load("static_freezing.json")
