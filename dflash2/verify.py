@@ -74,8 +74,6 @@ def verify_block(draft: Draft, logits: Tensor, params: SamplingParams, rng: Rand
 
 def verify_greedy(tokens: Tensor, logits: Tensor) -> Verdict:
     """tokens [L], logits [L+1, V] → longest prefix equal to the target's argmax, then its argmax."""
-    if tokens.shape[0] == 0:  # nothing drafted (plain decoding): the argmax alone
-        return Verdict(0, int(greedy_token(logits[0])))
     choice = greedy_token(logits)  # [L+1]
     matches = (tokens == choice[:-1]).long()
     n = int(matches.cumprod(0).sum().item())

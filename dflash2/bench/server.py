@@ -182,17 +182,18 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def _group_states(pgid: int) -> list[str]:
-    """The /proc state letter of every live process in process group `pgid` ([] where /proc is absent)."""
-    states = []
+def _group_stats(pgid: int) -> list[list[str]]:
+    """The /proc/PID/stat fields after the name (state ppid pgrp ... utime stime ...) of every live
+    process in process group `pgid` ([] where /proc is absent)."""
+    stats = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             after = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if len(after) > 2 and int(after[2]) == pgid:
-            states.append(after[0])
-    return states
+        if len(after) > 12 and int(after[2]) == pgid:
+            stats.append(after)
+    return stats
 
 
 def _wait_group_state(pgid: int, stopped: bool, timeout_s: float = 5.0) -> None:
@@ -200,7 +201,7 @@ def _wait_group_state(pgid: int, stopped: bool, timeout_s: float = 5.0) -> None:
     (a process in uninterruptible sleep stops when it wakes) and where /proc is absent."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        states = [s for s in _group_states(pgid) if s not in ("Z", "X")]  # zombies neither run nor stop
+        states = [f[0] for f in _group_stats(pgid) if f[0] not in ("Z", "X")]  # zombies neither run nor stop
         if all((s in ("T", "t")) == stopped for s in states):
             return
         time.sleep(0.005)
@@ -208,15 +209,8 @@ def _wait_group_state(pgid: int, stopped: bool, timeout_s: float = 5.0) -> None:
 
 def _group_cpu_s(pgid: int) -> float:
     """utime + stime of every live process in process group `pgid`, from /proc (0 where /proc is absent)."""
-    total, tick = 0, os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            after = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(after) > 12 and int(after[2]) == pgid:  # fields after the name: state ppid pgrp ... utime stime
-            total += int(after[11]) + int(after[12])
-    return total / tick
+    tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    return sum(int(f[11]) + int(f[12]) for f in _group_stats(pgid)) / tick
 
 
 # -- requests -------------------------------------------------------------------------------------------

@@ -21,9 +21,10 @@ a one-token or a 16-token pass faster than the unpacked `F.linear`
 
 What the model's layers do and this step must do too: Qwen3's per-head q/k norms, Qwen2's q/k/v
 biases, Llama's optional attention and MLP biases, the attention module's own `scaling`, sliding
-windows (by the masks the caller builds). `fusable(model)` says why a model's layers are not
-written out here (a RoPE that depends on the sequence length, another activation or norm, partial
-rotary); StaticTarget then runs the model's own layers.
+windows (by the masks the caller builds). A model whose layers are not written out here (a RoPE
+that depends on the sequence length, another activation or norm, partial rotary, per-layer
+epsilons) is refused with NotImplementedError and the reason; StaticTarget then runs the model's
+own layers and keeps the reason in `fused_reason`.
 
 The weights are copied at construction (concatenated, packed): a model whose weights change
 afterwards needs a new StaticTarget.

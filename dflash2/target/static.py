@@ -37,7 +37,7 @@ from torch import Tensor, nn
 
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
-from .fused import FusedDecoder, Linear, fusable
+from .fused import FusedDecoder, Linear
 from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -101,10 +101,13 @@ class StaticTarget(TargetAdapter):
         layer_params = inspect.signature(self.decoder.layers[0].forward).parameters
         self._layer_cache_kw = "cache" if "cache" in layer_params else "past_key_values"
         self.fused: FusedDecoder | None = None
-        self.fused_reason = "fused=False" if not fused else fusable(model)
-        if self.fused_reason is None:
-            self.fused = FusedDecoder(model, self.layer_kinds, self.layer_ids)
-            self.head = Linear(self.head.weight, self.head.bias)
+        self.fused_reason: str | None = "fused=False"  # why the model's own layers run (None: they do not)
+        if fused:
+            try:
+                self.fused, self.fused_reason = FusedDecoder(model, self.layer_kinds, self.layer_ids), None
+                self.head = Linear(self.head.weight, self.head.bias)
+            except NotImplementedError as why:
+                self.fused_reason = str(why)
         if compile:
             _allow_recompiles(64)
         self._compiled, self._warm = compile, False
@@ -210,7 +213,7 @@ class StaticTarget(TargetAdapter):
 
     def _step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
               values: list[Tensor], start: int) -> tuple[Tensor, Tensor | None]:
-        """The model's layers over the pass (K/V written from slot `start`): → final-normed hidden
+        """The decoder over the pass, fused or the model's layers (K/V written from slot `start`): → final-normed hidden
         states [1, T, H] (the LM head runs outside, on the rows wanted) and features [1, T, F] or None."""
         if self.fused is not None:
             normed, kept = self.fused.step(ids, positions, masks, keys, values, start)

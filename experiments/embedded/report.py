@@ -244,7 +244,7 @@ def _roofline_section() -> list[str]:
     if not path.is_file():
         return []
     r = json.loads(path.read_text())
-    packed = r.get("matmul_packed", {})
+    packed = r["matmul_packed"]
     best = max(v["gflops"] for v in (*r["matmul"].values(), *packed.values()))
     lines = ["## Roofline: a target pass against the machine's limits", "",
              f"`{r['meta']['command']}` ({r['meta']['date']}, {r['meta']['cpu']}, {r['meta']['context']} cached positions). "
@@ -254,14 +254,10 @@ def _roofline_section() -> list[str]:
              f"{best:.0f} GFLOP/s. A pass cannot take less than the larger of the two floors: reading every "
              "weight once, and its FLOPs at that throughput.", "",
              *([load_note(r["meta"]["load"]), ""] if "load" in r["meta"] else ["Load: not recorded.", ""]),
-             *(["| the target's linear layers, back to back | tokens per pass | ms, F.linear | GFLOP/s | "
-                "ms, oneDNN-prepacked (the fused step's) | GFLOP/s |", "|---|---|---|---|---|---|",
-                *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} | "
-                  f"{1e3 * packed[n]['seconds']:.2f} | {packed[n]['gflops']:.0f} |" for n, v in r["matmul"].items()]]
-               if packed else
-               ["| the target's linear layers, back to back | tokens per pass | ms | GFLOP/s |", "|---|---|---|---|",
-                *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} |"
-                  for n, v in r["matmul"].items()]]), "",
+             "| the target's linear layers, back to back | tokens per pass | ms, F.linear | GFLOP/s | "
+             "ms, oneDNN-prepacked (the fused step's) | GFLOP/s |", "|---|---|---|---|---|---|",
+             *[f"| all {n}-token products | {n} | {1e3 * v['seconds']:.2f} | {v['gflops']:.0f} | "
+               f"{1e3 * packed[n]['seconds']:.2f} | {packed[n]['gflops']:.0f} |" for n, v in r["matmul"].items()], "",
              "| pass | rows × tokens | ms | floor, ms | ms per token |", "|---|---|---|---|---|",
              *[f"| {p['path']} | {p['rows']} × {p['tokens']} | {1e3 * p['seconds']:.2f} | {1e3 * p['floor']:.2f} | "
                f"{1e3 * p['seconds'] / (p['rows'] * p['tokens']):.3f} |" for p in r["passes"]], ""]
@@ -279,14 +275,13 @@ def _roofline_section() -> list[str]:
               "the remaining time is per-call overhead (operator dispatch, the compiled graph's guards, small "
               "matrix-vector products that do not reach the memory bandwidth), which batching amortises and "
               "speculative decoding divides by τ.", ""]
-    if packed:
-        lines += ["StaticTarget's fused step (`dflash2/target/fused.py`, its default) cuts the first and the last of "
-                  "those: four matrix products per layer instead of seven (q/k/v and gate/up as one matrix each), "
-                  "weights prepacked for oneDNN (the table above: the same products, faster, most of all for the "
-                  "16-token verify), and one-token passes left eager, where a compiled graph (its guards, its "
-                  "wrapper) saved nothing measurable over the fused eager step. What remains of a one-token step "
-                  "above the products is the eager operators between them (norms, RoPE, attention, the cache "
-                  "writes): a few microseconds each, about 20 per layer.", ""]
+    lines += ["StaticTarget's fused step (`dflash2/target/fused.py`, its default) cuts the first and the last of "
+              "those: four matrix products per layer instead of seven (q/k/v and gate/up as one matrix each), "
+              "weights prepacked for oneDNN (the table above: the same products, faster, most of all for the "
+              "16-token verify), and one-token passes left eager, where a compiled graph (its guards, its "
+              "wrapper) saved nothing measurable over the fused eager step. What remains of a one-token step "
+              "above the products is the eager operators between them (norms, RoPE, attention, the cache "
+              "writes): a few microseconds each, about 20 per layer.", ""]
     freezing = _load("static_freezing.json")
     if freezing is not None:
         by = lambda v: ", ".join(f"{r['tokens_per_s']:.0f}" for r in freezing["runs"] if r["variant"] == v)  # noqa: E731
