@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import reference_format
@@ -26,6 +27,7 @@ from .checks import looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
+from .layers import allow_recompiles
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -33,6 +35,19 @@ from .tree import TokenTree, best_first_tree
 from .verify import Draft
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+class RoundScores(NamedTuple):
+    """One drafting round at batch 1 (`DFlash2Drafter.draft_round`): the grown context K/V (per layer
+    [1, kv, C, hd]), the L draft positions' hidden states [L, H], their top-K candidates (ids, U
+    [L, K]) and the selector's lattice scores (first [K], steps [L-1, K, K]; None when not asked)."""
+
+    keys: list[Tensor]
+    values: list[Tensor]
+    hidden: Tensor
+    cands: Candidates | None
+    first: Tensor | None
+    steps: Tensor | None
 ARCHITECTURE = "DFlash2Drafter"
 
 
@@ -233,11 +248,11 @@ class DFlash2Drafter(nn.Module):
         """Extend the context by new_features [1, n, F] (positions cache.length..), then draft the
         block that starts with `anchor` at position cache.length. Returns L = B - 1 draft tokens
         (config.draft_len if set)."""
-        self.backbone.extend_context(cache, new_features)
         if self.config.block_size == 1:
+            self.backbone.extend_context(cache, new_features)
             return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
-        hidden, cands = self._candidates(cache, anchor, target, self.config.num_draft_positions)
-        return self.candidate_selector(cands, hidden, anchor, temperature, rng)
+        s = self.draft_round(cache, anchor, new_features, target, lattice=False)
+        return self.candidate_selector(s.cands, s.hidden, anchor, temperature, rng)
 
     @torch.no_grad()
     def propose_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
@@ -261,12 +276,12 @@ class DFlash2Drafter(nn.Module):
         """Like `propose`, but returns the `max_nodes` most probable nodes of the B×K lattice (depth
         <= max_depth) as a token tree for `verify="tree"`. Deterministic at every temperature: the
         tree verifier's one-decision-per-node rule handles sampling."""
-        self.backbone.extend_context(cache, new_features)
         L = min(self.config.num_draft_positions, max_depth, max_nodes)  # M nodes reach depth M at most
-        if L <= 0:
+        if self.config.block_size == 1 or L <= 0:
+            self.backbone.extend_context(cache, new_features)
             return TokenTree.empty(new_features.device)
-        hidden, cands = self._candidates(cache, anchor, target, L)
-        return best_first_tree(cands.ids, *self.candidate_selector.lattice(cands, hidden, anchor), max_nodes)
+        s = self.draft_round(cache, anchor, new_features, target)
+        return best_first_tree(s.cands.ids[:L], s.first, s.steps[: L - 1], max_nodes)
 
     @torch.no_grad()
     def propose_tree_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
@@ -282,6 +297,69 @@ class DFlash2Drafter(nn.Module):
         first, steps = self.candidate_selector.lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
         return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
+
+    # -- one drafting round at batch 1 (propose, propose_tree): one call, one graph when compiled ------
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """torch.compile the batch-1 drafting round in place (`draft_round`'s tensor work, `_round`):
+        context projection, block pass, LM head, top-K and the lattice's scores run as one graph, one
+        call per round. Arguments go to torch.compile; `dynamic=True` suits decoding, where the
+        context grows every round. (`backbone.compile` compiles the block pass and the projection
+        separately: two calls per round, and the batched path's passes.)"""
+        allow_recompiles(64)  # every drafter shares `_round`'s code: each adds a few graphs
+        self._round = torch.compile(self._round, *args, **kwargs)
+
+    def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
+                    lattice: bool = True) -> "RoundScores":
+        """Extend `cache` by new_features [1, n, F] (positions cache.length..), then score the block
+        [anchor, MASK, ...] at the positions after them: RoundScores of its L = num_draft_positions
+        draft positions (with the selector's lattice when `lattice`)."""
+        B, device = self.config.block_size, new_features.device
+        dtype = self.backbone.fc.weight.dtype
+        if not cache.keys:  # the first round: no context yet
+            empty = lambda: torch.zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim,  # noqa: E731
+                                        dtype=dtype, device=device)
+            cache.keys, cache.values = [empty() for _ in self.backbone.layers], [empty() for _ in self.backbone.layers]
+        start, n = cache.length, new_features.shape[1]
+        kept = cache.keys[0].shape[2] + n  # context entries the block sees: the kept ones and the new ones,
+        window = self.config.context_keep
+        kept = kept if window is None else min(kept, window)  # or the last `window` of them
+        ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
+        ids[0, 0] = anchor
+        length = start + n  # the block's first position
+        s = self._round(cache.keys, cache.values, new_features.to(dtype), torch.arange(start, length, device=device),
+                        self.embed_block(ids, target), torch.arange(length, length + B, device=device),
+                        torch.arange(length - kept, length + B, device=device),  # the context it sees, the block
+                        target.head_weights(dtype, self.draft_vocab), torch.tensor(anchor, device=device), lattice)
+        cache.keys, cache.values, cache.length = s.keys, s.values, length
+        if s.cands is None:  # a head with its own forward: candidates and lattice outside the graph
+            cands = self.draft_candidates(s.hidden, target)
+            first, steps = self.candidate_selector.lattice(cands, s.hidden, anchor) if lattice else (None, None)
+            return s._replace(cands=cands, first=first, steps=steps)
+        return s
+
+    def _round(self, keys: list[Tensor], values: list[Tensor], features: Tensor, feature_positions: Tensor,
+               x: Tensor, positions: Tensor, key_positions: Tensor, head: tuple[Tensor, Tensor | None] | None,
+               anchor: Tensor, lattice: bool) -> "RoundScores":
+        """The tensor work of `draft_round` (what `compile` compiles). keys/values: per layer the kept
+        context [1, kv, C, hd]; features [1, n, F] at feature_positions [n]; x [1, B, H] the embedded
+        block at positions [B]; key_positions [C + n + B]; head: the LM head (weight, bias) in the
+        drafter's dtype, or None; anchor [] long. Returns the context K/V the next round starts from
+        (the last `config.context_keep` entries when the drafter's layers need no more)."""
+        new = self.backbone.context_kv(features, feature_positions)
+        keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(keys, new)]  # [1, kv, C + n, hd]
+        values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(values, new)]
+        window = self.config.context_keep  # the block sees only the last `window` entries (0: none), kept alone
+        if window is not None:
+            keys, values = [k[:, :, k.shape[2] - min(k.shape[2], window):] for k in keys], \
+                           [v[:, :, v.shape[2] - min(v.shape[2], window):] for v in values]
+        L = self.config.num_draft_positions
+        hidden = self.backbone(x, positions, list(zip(keys, values)), rows=L + 1, key_positions=key_positions)[0, 1:]
+        if head is None:
+            return RoundScores(keys, values, hidden, None, None, None)  # [L, H]
+        ids, scores = self.candidates(self._finish_logits(F.linear(hidden, *head)))  # [L, K]
+        cands = Candidates(ids if self.draft_vocab is None else self.draft_vocab[ids], scores)
+        first, steps = self.candidate_selector.lattice(cands, hidden, anchor) if lattice else (None, None)
+        return RoundScores(keys, values, hidden, cands, first, steps)
 
     def _candidates_batch(self, context: ContextBatch, anchors: list[int], target: TargetAdapter,
                           L: int) -> tuple[Tensor, Candidates]:

@@ -142,3 +142,13 @@ def as_rows(x: Tensor) -> Tensor:
     same rows as a 2-d matrix (docs/architecture.md, "Performance choices"); reshaping copies only
     when the rows are not already evenly spaced."""
     return x.reshape(-1, x.shape[-1])
+
+
+def allow_recompiles(n: int) -> None:
+    """torch.compile keeps its graphs per code object, shared by every instance of a class whose method
+    is compiled (StaticTarget's step, a drafter's round): each instance adds a few graphs (shapes that
+    specialise, such as a first pass over an empty cache), more than dynamo's default limit of 8 for a
+    handful of instances. Raise the limit to at least n."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), n))

@@ -263,6 +263,77 @@ def test_compiled_backbone_drafts_what_the_eager_one_does(layout):
                                            eager.block_hidden(caches[0], 5, adapter, rows=4), atol=1e-5, rtol=1e-5)
 
 
+ROUND_VARIANTS = {"full": {}, "sliding-causal-W4": {"layer_types": ("sliding_attention", "full_attention"), "sliding_window": 4},
+                  "context-window-7": {"context_window": 7}, "draft-vocab": {}}
+
+
+@pytest.mark.parametrize("variant", list(ROUND_VARIANTS))
+def test_a_drafting_round_is_the_block_pass_then_candidates_then_the_lattice(variant):
+    """draft_round (what propose and propose_tree call: one function, one graph when compiled) must
+    give what the step-by-step path gives: extend_context, the block's hidden states (block_hidden,
+    checked against the published reference elsewhere), the LM head's top-K, the selector's lattice;
+    and keep the same context, trimmed to a window when one applies. Over growing contexts from an
+    empty cache, with sliding layers, a context window and a draft vocabulary."""
+    target = tiny_target("qwen3")
+    torch.manual_seed(5)
+    d = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=MASK, selector_top_k=4,
+                                   **ROUND_VARIANTS[variant])
+    for p in d.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if variant == "draft-vocab":
+        d = d.with_draft_vocab(torch.arange(1, d.config.vocab_size, 3))
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    by_round, by_steps = d.new_cache(), d.new_cache()
+    with torch.no_grad():
+        for n, anchor in ((7, 5), (3, 9), (1, 2), (4, 5)):
+            features = torch.randn(1, n, len(d.target_layer_ids) * d.config.hidden_size, dtype=torch.float64)
+            s = d.draft_round(by_round, anchor, features, adapter)
+            d.backbone.extend_context(by_steps, features)
+            hidden, cands = d._candidates(by_steps, anchor, adapter, d.config.num_draft_positions)
+            first, steps = d.candidate_selector.lattice(cands, hidden, anchor)
+            assert by_round.length == by_steps.length
+            for a, b in zip(by_round.keys + by_round.values, by_steps.keys + by_steps.values):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+            torch.testing.assert_close(s.hidden, hidden, atol=1e-12, rtol=0)
+            assert torch.equal(s.cands.ids, cands.ids)
+            for a, b in ((s.cands.scores, cands.scores), (s.first, first), (s.steps, steps)):
+                torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("variant", ["full", "context-window-7"])
+def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(variant):
+    """drafter.compile() runs each batch-1 round as one graph (dynamic shapes: the context grows, a
+    first round starts from an empty cache, a window trims the context): its scores, its cache and
+    the paths it proposes must be the eager drafter's. (The quick bench test decodes trees with a
+    compiled drafter.)"""
+    target = copy.deepcopy(tiny_target("qwen3")).float()  # the cached float64 target must stay as it is
+    torch.manual_seed(6)
+    eager = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=MASK, selector_top_k=4,
+                                       **ROUND_VARIANTS[variant]).float().eval()
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fast = copy.deepcopy(eager)
+    fast.compile(dynamic=True)
+    adapter = TargetAdapter(target, eager.target_layer_ids)
+    caches = [eager.new_cache(), fast.new_cache()]
+    rng = TorchRandom(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for i, (n, anchor) in enumerate(((7, 5), (3, 9), (2, 2), (4, 5), (5, 7))):
+            features = torch.randn(1, n, len(eager.target_layer_ids) * eager.config.hidden_size)
+            if i % 2:  # the paths of propose (the walk: no lattice in the graph)
+                paths = [d.propose(c, anchor, features, adapter, 0.0, rng).tokens for d, c in zip((eager, fast), caches)]
+                assert torch.equal(*paths)
+            else:  # the scores propose_tree grows its tree from
+                s_eager, s_fast = (d.draft_round(c, anchor, features, adapter) for d, c in zip((eager, fast), caches))
+                assert torch.equal(s_fast.cands.ids, s_eager.cands.ids)
+                torch.testing.assert_close(s_fast.hidden, s_eager.hidden, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(s_fast.steps, s_eager.steps, atol=1e-4, rtol=1e-4)
+            assert caches[0].length == caches[1].length
+            for a, b in zip(caches[0].keys + caches[0].values, caches[1].keys + caches[1].values):
+                torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_context_batch_follows_each_row_across_rounds(window):
     """One ContextBatch for rows that join late, grow by different amounts each round and leave: the

@@ -23,8 +23,8 @@ to `out`. Methods:
                      head over the n most frequent tokens of `token_counts` (a safetensors file of
                      `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
     ..._compiled     with `compile_drafters: true`: the walk and tree rows (and their _V<n> rows) again
-                     with the drafter's backbone through torch.compile (dynamic shapes), batch 1 only;
-                     the target runs eager in every row
+                     with each drafting round through torch.compile as one graph (DFlash2Drafter.compile,
+                     dynamic shapes), batch 1 only; `target_steps` chooses the target's step
 
 With `target_steps: [hf, static]` every batch-1 method of our loop also runs with the target's step
 through `StaticTarget` (the model's layers over a preallocated cache, torch.compile'd: rows end in

@@ -59,9 +59,9 @@ class BenchConfig:
     draft_lens: list[int] = field(default_factory=list)  # extra dflash2_walk_L<n> rows
     draft_vocabs: list[int] = field(default_factory=list)  # extra dflash2_walk_V<n>, dflash2_tree<M>_V<n> rows
     token_counts: str = "embedded"  # ranks the draft vocabularies: "embedded" or a draft_vocab.save_counts file
-    # Also run the walk and tree rows (and their _V<n> rows) with the drafter's backbone compiled
-    # (BlockDiffusionBackbone.compile: torch.compile with dynamic shapes; names end in _compiled):
-    # batch 1 only, the target stays eager.
+    # Also run the walk and tree rows (and their _V<n> rows) with the drafter's round compiled
+    # (DFlash2Drafter.compile: each round's drafting as one graph, torch.compile with dynamic shapes;
+    # names end in _compiled): batch 1 only; the target's step is chosen by target_steps.
     compile_drafters: bool = False
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target

@@ -28,11 +28,11 @@ from .prompts import PromptSet
 class Method:
     """One row of a table: which decoder runs, and the variant fields its name spells
     (`dflash2_tree15_V4096_compiled_bf16_static`: family dflash2_tree, 15 nodes, draft vocabulary 4096,
-    compiled backbone, bfloat16 drafter, StaticTarget step)."""
+    compiled drafting round, bfloat16 drafter, StaticTarget step)."""
 
     family: str  # one of ALL_METHODS or VLLM_METHODS
     dtype: str = "float32"  # the drafter's (our drafter rows) or the engine's (vllm rows)
-    compiled: bool = False  # the drafter's backbone through torch.compile (batch 1)
+    compiled: bool = False  # the drafter's round through torch.compile (DFlash2Drafter.compile; batch 1)
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
     tree_nodes: int | None = None  # dflash2_tree: verify a token tree of this many nodes
@@ -140,7 +140,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
 def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True):
     """(Method, drafter at block size `block`, spec_generate's verify arguments) of every drafter
     method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk
-    and tree rows with a compiled backbone."""
+    and tree rows with a compiled drafting round."""
     for dtype in cfg.drafter_dtypes:
         ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
         if "dflash1" in ds:
@@ -162,7 +162,7 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                     yield Method("dflash2_tree", dtype, draft_vocab=n, tree_nodes=m), small, dict(verify="tree", tree_nodes=m)
             for n, d in ({None: walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
                 fast = copy.deepcopy(d)
-                fast.backbone.compile(dynamic=True)  # block pass and context projection, on their first call (the warm-up)
+                fast.compile(dynamic=True)  # each round one graph, compiled on its first calls (the warm-up)
                 yield Method("dflash2_walk", dtype, compiled=True, draft_vocab=n), fast, {}
                 for m in cfg.tree_nodes:
                     yield (Method("dflash2_tree", dtype, compiled=True, draft_vocab=n, tree_nodes=m), fast,

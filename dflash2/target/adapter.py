@@ -347,6 +347,17 @@ class TargetAdapter:
         cap = getattr(self.config, "final_logit_softcapping", None)
         return logits if not cap else cap * torch.tanh(logits / cap)
 
+    def head_weights(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None] | None:
+        """The LM head as (weight [V, H], bias [V] or None) in `dtype` (its `vocab` rows [V'] only), so
+        that `F.linear(hidden, *head_weights(hidden.dtype))` equals `lm_logits(hidden)`; None for a head
+        with its own forward (not an nn.Linear), which only `lm_logits` runs."""
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            return None
+        if vocab is None and head.weight.dtype == dtype:
+            return head.weight, head.bias
+        return self._head_in(dtype, vocab)
+
     def _head_in(self, dtype: torch.dtype, vocab: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """The LM head's weight and bias (their `vocab` rows) cast to `dtype`, redone only when the
         head or the rows change. One copy is kept for the whole head and one for a draft vocabulary."""

@@ -44,14 +44,19 @@ from ..layers import SDPA_GQA
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
 
-@torch.library.custom_op("dflash2::packed_linear", mutates_args=())
+# oneDNN's linear with a weight prepacked by mkldnn._reorder_linear_weight, as an operator of its own, so
+# that a compiled step calls it as it is (`weight`: the plain weight, for the output's shape). Registered
+# with torch.library.define/impl rather than torch.library.custom_op: a compiled graph calls the kernel
+# directly, without custom_op's per-call wrapper (docs/architecture.md, "Performance choices").
+torch.library.define("dflash2::packed_linear", "(Tensor x, Tensor packed, Tensor weight, Tensor? bias) -> Tensor")
+
+
+@torch.library.impl("dflash2::packed_linear", "CompositeExplicitAutograd")
 def packed_linear(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """oneDNN's linear with a weight prepacked by mkldnn._reorder_linear_weight (`weight`: the plain one,
-    for the output's shape); an operator of its own, so that a compiled step calls it as it is."""
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@packed_linear.register_fake
+@torch.library.register_fake("dflash2::packed_linear")
 def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
@@ -71,7 +76,7 @@ class Linear:
     def __call__(self, x: Tensor) -> Tensor:
         if self.packed is not None and x.dtype == self.weight.dtype:
             if torch.compiler.is_compiling():
-                return packed_linear(x, self.packed, self.weight, self.bias)
+                return torch.ops.dflash2.packed_linear(x, self.packed, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 

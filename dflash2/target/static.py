@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
 from .fused import FusedDecoder, Linear
+from ..layers import allow_recompiles
 from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -109,7 +110,7 @@ class StaticTarget(TargetAdapter):
             except NotImplementedError as why:
                 self.fused_reason = str(why)
         if compile:
-            _allow_recompiles(64)
+            allow_recompiles(64)  # every StaticTarget shares `_step`'s code: each adds a few graphs
         self._compiled, self._warm = compile, False
         self._run = torch.compile(self._step, dynamic=True) if compile else self._step
 
@@ -276,15 +277,6 @@ class _quiet_output_hooks:
     def __exit__(self, *exc):
         if self.var is not None:
             self.var.compiling, self.var.global_var = self.saved
-
-
-def _allow_recompiles(n: int) -> None:
-    """torch.compile keeps compiled graphs per code object, and every StaticTarget shares `_step`'s:
-    each instance (one per set of target layers read) adds a few graphs (prefill, one-token step,
-    masked verify), more than dynamo's default limit of 8 for a handful of instances."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), n))
 
 
 __all__ = ["StaticTarget", "StaticCache", "SUPPORTED"]
