@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         runs.append({k: dict(tokens_per_s=round(n / s, 1), tau=round((n - len(encoded)) / r, 3))
                      for k, (n, s, r) in totals.items()})
         print(rep, {k: v["tokens_per_s"] for k, v in runs[-1].items()}, flush=True)
-    result = dict(meta=dict(command="python experiments/drafting_round_ab.py " + " ".join(argv or sys.argv[1:]),
+    result = dict(meta=dict(command=" ".join(["python experiments/drafting_round_ab.py", *(argv or sys.argv[1:])]),
                             date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), cpu=cpu_description(),
                             torch=torch.__version__, prompts=len(encoded), warm_up_s=round(warm_s, 1),
                             load=monitor.record()),

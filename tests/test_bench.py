@@ -1,6 +1,7 @@
 """`python -m dflash2.bench --quick`: tiny random models; checks the output files and fields, not speeds."""
 
 import json
+import sys
 
 import pytest
 
@@ -195,3 +196,50 @@ def test_quick_bench_needs_no_optional_package(tmp_path, monkeypatch, capsys):
     assert "quick mode: tiny random models" in err and "matplotlib is not installed: no plots" in err
     data = json.loads((out / "results.json").read_text())
     assert {r["dataset"] for r in data["rows"]} == {"stdlib_heldout"} and not list(out.glob("*.png"))
+
+
+STAND_IN_VLLM = """
+import os, time
+__version__ = "stand-in"
+class SamplingParams:
+    def __init__(self, max_tokens=16, **kwargs):
+        self.max_tokens = max_tokens
+class _Completion:
+    def __init__(self, ids):
+        self.token_ids = ids
+class _Output:
+    def __init__(self, ids):
+        self.outputs = [_Completion(ids)]
+class LLM:
+    def __init__(self, **kwargs):
+        spec = kwargs.get("speculative_config")
+        with open(os.environ["STAND_IN_LOG"], "a") as log:
+            log.write(("draft" if spec else "plain") + "\\n")
+        if spec:
+            raise ValueError("stand-in refuses drafters")
+    def generate(self, prompts, params, use_tqdm=False):
+        time.sleep(0.01)
+        return [_Output([5] * params.max_tokens) for _ in prompts]
+    def get_metrics(self):
+        return []
+"""
+
+
+def test_engine_rows_take_turns_with_ours_and_a_refusal_is_not_retried(tmp_path, monkeypatch):
+    """The engine's rows run one repetition after each repetition of ours (a fresh launch each: the
+    machine's drift then touches both alike); an engine that refuses a method is asked once, and the
+    row says why. A stand-in vllm package plays the engine in this interpreter."""
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text(STAND_IN_VLLM)
+    log = tmp_path / "launches.txt"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    out = tmp_path / "bench"
+    assert main([f"out={out}", f"vllm_python={sys.executable}", "target=embedded", "drafters={dflash1: embedded:dflash1}",
+                 "methods=[ar,vllm_ar,vllm_dflash1]", "vllm_dtypes=[float32]", "repetitions=3", "num_prompts=2",
+                 "max_new_tokens=8", "block_sizes=[16]", "datasets=[stdlib_heldout]", "settings=[greedy]"]) == 0
+    assert log.read_text().split() == ["plain", "draft", "plain", "plain"]  # per repetition; the refusal once
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    assert rows["vllm_ar"]["runs"] == rows["ar"]["runs"] == 3 * 2  # 3 repetitions × 2 prompts
+    assert rows["vllm_ar"]["tokens_per_s"] > 0 and rows["vllm_ar"]["error"] is None
+    assert "stand-in refuses drafters" in rows["vllm_dflash1"]["error"]

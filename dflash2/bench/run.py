@@ -1,5 +1,6 @@
 """A bench run: the models, the prompt sets through the chat template, every table's methods
-interleaved over repetitions, then the engine's and the servers' rows, then the report."""
+interleaved over repetitions (the engine's rows one repetition after each of ours), then the
+servers' rows, then the report."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from ..drafter import DFlash2Drafter
 from ..train.data import render
 from .config import DTYPES, SETTINGS, BenchConfig
 from .machine import LoadMonitor
-from .methods import Method, Run, make_batch_methods, make_methods, resolve, run_engine
+from .methods import Method, Run, make_batch_methods, make_methods, merge_engine, resolve, run_engine
 from .prompts import PromptSet, load_prompt_set
 from .report import fastest_plain, summarize, write_outputs
 
@@ -158,13 +159,17 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                     for fn in methods.values() if warm else ():
                         call(fn, inputs[0], setting, cfg.seed)
                         bar.update()
+                    engine: dict[Method, Any] = {}  # the engine's rows: one repetition after each of ours
                     for rep in range(cfg.repetitions):
                         for p, conv in enumerate(inputs):
                             for method, fn in methods.items():  # interleaved: every method back to back
                                 runs[method].append((rep, p, call(fn, conv, setting, cfg.seed + 1000 * rep + p)))
                                 bar.update()
+                        refused = frozenset(m for m, r in engine.items() if r.error)
+                        for method, result in run_engine(cfg, drafters, prompter, prompts, block, conc, setting, stops,
+                                                         runs, rep, refused):
+                            engine[method] = merge_engine(engine[method], result) if method in engine else result
                     bar.close()
-                    engine = dict(run_engine(cfg, drafters, prompter, prompts, block, conc, setting, stops, runs))
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, block_size=block, concurrency=conc, setting=setting_name, **load))
                     rows += [dict(r, concurrency=conc, busy=load["busy"])
