@@ -320,8 +320,8 @@ class DFlash2Drafter(nn.Module):
                                         dtype=dtype, device=device)
             cache.keys, cache.values = [empty() for _ in self.backbone.layers], [empty() for _ in self.backbone.layers]
         start, n = cache.length, new_features.shape[1]
-        kept = cache.keys[0].shape[2] + n  # context entries the block sees: the kept ones and the new ones,
         window = self.config.context_keep
+        kept = cache.keys[0].shape[2] + n  # the context entries the block sees: the kept ones and the new ones,
         kept = kept if window is None else min(kept, window)  # or the last `window` of them
         ids = torch.full((1, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[0, 0] = anchor
@@ -348,7 +348,7 @@ class DFlash2Drafter(nn.Module):
         new = self.backbone.context_kv(features, feature_positions)
         keys = [torch.cat([old, k], dim=2) for old, (k, _) in zip(keys, new)]  # [1, kv, C + n, hd]
         values = [torch.cat([old, v], dim=2) for old, (_, v) in zip(values, new)]
-        window = self.config.context_keep  # the block sees only the last `window` entries (0: none), kept alone
+        window = self.config.context_keep  # the block sees, and the cache keeps, only the last `window` (0: none)
         if window is not None:
             keys, values = [k[:, :, k.shape[2] - min(k.shape[2], window):] for k in keys], \
                            [v[:, :, v.shape[2] - min(v.shape[2], window):] for v in values]

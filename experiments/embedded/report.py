@@ -154,13 +154,18 @@ def main() -> int:
                   "plain decoding in the table. `dflash2_tree15` has the target check a 15-node token tree from the "
                   "DFlash-2 lattice in one pass of 16 tokens (as many as a path over the whole block). Rows ending in "
                   "`_bf16` run the same drafters in bfloat16 while the target stays float32, so the output is the same "
-                  "(chosen where the CPU multiplies bfloat16 natively). Rows with `_compiled` run the drafter's "
-                  "backbone through `torch.compile`; rows ending in `_static` run the target's step through "
+                  "(chosen where the CPU multiplies bfloat16 natively). Rows with `_compiled` run each drafting "
+                  "round as one graph through `torch.compile` (`drafter.compile()`; before 2026-12-02 08:00 the "
+                  "backbone's block pass and context projection as two); rows ending in `_static` run the target's step through "
                   "`StaticTarget` (the decoder written out over a preallocated cache: fused q/k/v and gate/up "
                   "matrices prepacked for oneDNN, one-token passes eager, multi-token passes compiled), the others "
                   "through the model's forward. The `vllm_*` rows are vLLM's CPU build on the same prompts and target, each "
                   "request alone (batch 1), in float32 like ours and in bfloat16 (`_bf16`, vLLM's default for this "
-                  "checkpoint); `vllm_dflash1` serves our DFlash-1 drafter exported in the reference format.", "",
+                  "checkpoint); `vllm_dflash1` serves our DFlash-1 drafter exported in the reference format. Since "
+                  "2026-12-02 08:30 the engine runs one repetition after each repetition of ours (before: all of "
+                  "its rows after all of ours, so the VM's drift between the two blocks moved the ratios: a run at "
+                  "08:27, not kept, had vLLM's plain decoding at 264 tokens/s against our 461 where the runs "
+                  "before put the two within 10%).", "",
                   bench.read_text(), ""]
         lines += _runs_section(RESULTS / "bench_headline" / "runs")
         bench_rows = json.loads((RESULTS / "bench_headline" / "results.json").read_text())["rows"]
