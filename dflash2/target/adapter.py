@@ -336,7 +336,7 @@ class TargetAdapter:
         head = self.model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             return self.lm_logits(hidden).gather(-1, ids)
-        weight, bias = (head.weight, head.bias) if head.weight.dtype == hidden.dtype else self._head_in(hidden.dtype)
+        weight, bias = self.head_weights(hidden.dtype)
         logits = torch.einsum("...h,...kh->...k", hidden, F.embedding(ids, weight))
         return logits if bias is None else logits + bias[ids]
 
