@@ -17,6 +17,7 @@ from .heads import Candidates
 from .interfaces import BatchDrafter, CheckedDrafter, Drafter, Selector, TreeDrafter
 from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_generate
 from .rng import RandomSource, TorchRandom
+from .registry import register_conv, register_selector
 from .sampling import SamplingParams
 from .target import StaticTarget, TargetAdapter
 from .tree import TokenTree
@@ -28,5 +29,5 @@ __all__ = [
     "AutoregressiveDrafter", "BatchDrafter", "Candidates", "CheckedDrafter", "DFlash2Config", "DFlash2Drafter",
     "Draft", "Drafter", "GenerationResult", "RandomSource", "SamplingParams", "Selector", "StaticTarget",
     "TargetAdapter", "TokenTree", "TorchRandom", "TreeDrafter", "ar_generate", "ar_generate_batch", "load_embedded",
-    "spec_generate", "spec_generate_batch",
+    "register_conv", "register_selector", "spec_generate", "spec_generate_batch",
 ]

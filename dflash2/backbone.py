@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import DFlash2Config
-from .conv import NoConv, TwoTapDynamicConv
+from .registry import CONVS
 from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, attention
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, hd] or [N, 1, T, hd]
@@ -164,12 +164,8 @@ class DrafterLayer(nn.Module):
         self.mlp = SwiGLU(H, config.intermediate_size)
         self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
-        if config.conv == "two_tap":
-            make = lambda: TwoTapDynamicConv(H, config.block_size, config.conv_kernel_size, config.conv_group_size)
-        else:
-            make = NoConv
-        self.attention_conv = make()
-        self.mlp_conv = make()
+        self.attention_conv = CONVS.build(config.conv, config)  # config.conv: two_tap, none, or one registered
+        self.mlp_conv = CONVS.build(config.conv, config)
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
                 mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:

@@ -66,7 +66,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
                         max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         stop_token_ids=None, generator: torch.Generator | None = None,
                         rng: RandomSource | None = None, concurrency: int | None = None, verify: str = "path",
-                        tree_nodes: int = 32) -> list[GenerationResult]:
+                        tree_nodes: int = 15) -> list[GenerationResult]:
     """Lossless speculative decoding of N left-padded prompts input_ids [N, T] (attention_mask [N, T],
     1 for real tokens; None means no padding). Returns one GenerationResult per row, its sequences
     [1, T_r + n_r] without padding; the timings are those of the whole batch.

@@ -17,6 +17,39 @@ def looks_like_hub_id(name: str | Path) -> bool:
     return re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", str(name)) is not None
 
 
+def hub_failure(name: str, error: BaseException) -> str:
+    """One line for a hub id that could not be read: the id and why (offline and not in the local
+    cache, no such repository, a gated one), where the hub client's own message names neither."""
+    from huggingface_hub import constants, errors
+
+    chain, e = [], error
+    while e is not None and len(chain) < 8:  # transformers wraps the hub's error in an OSError
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(e) for e in chain)
+    if any(isinstance(e, errors.GatedRepoError) for e in chain):
+        why = "it is a gated repository: accept its terms on the hub and log in (hf auth login)"
+    elif any(isinstance(e, errors.RepositoryNotFoundError) for e in chain) or "not a valid model identifier" in text:
+        why = "the hub has no such repository (a typo, or a private one: log in)"
+    elif constants.HF_HUB_OFFLINE or "outgoing traffic has been disabled" in text:
+        why = "offline (HF_HUB_OFFLINE is set): it is not in the local Hugging Face cache"
+    elif any(isinstance(e, errors.LocalEntryNotFoundError) for e in chain) or "couldn't connect" in text:
+        why = "offline (the hub cannot be reached): it is not in the local Hugging Face cache"
+    else:
+        why = f"reading it from the hub failed ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})"
+    return f"{name}: not a local directory, and {why}"
+
+
+def from_pretrained(load, name: str | Path, **kwargs):
+    """`load(name, **kwargs)` (an HF from_pretrained); a hub id that cannot be read → OSError naming it."""
+    try:
+        return load(name, **kwargs)
+    except OSError as error:
+        if Path(name).exists() or not looks_like_hub_id(name):
+            raise
+        raise OSError(hub_failure(str(name), error)) from None
+
+
 def adapt_target(drafter: Drafter, target) -> TargetAdapter:
     """The target behind a TargetAdapter that reads the drafter's layers, once the pair is checked."""
     if not isinstance(drafter, Drafter):

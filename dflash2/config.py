@@ -15,10 +15,10 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-CONV_KINDS = ("two_tap", "none")
+CONV_KINDS = ("two_tap", "none")  # the built-in ones; dflash2.register_conv adds more
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-SELECTOR_KINDS = ("walk", "viterbi", "argmax")
+SELECTOR_KINDS = ("walk", "viterbi", "argmax")  # the built-in ones; dflash2.register_selector adds more
 
 
 @dataclass
@@ -53,11 +53,11 @@ class DFlash2Config:
     draft_len: int | None = None  # propose only the first draft_len of the B - 1 drafted positions (None: all);
     #                               the drafter still runs the whole block, the target verifies fewer tokens
     # -- two-tap dynamic convolution (DFlash 2) --------------------------------------------------
-    conv: str = "two_tap"
+    conv: str = "two_tap"  # two_tap, none (DFlash-1), or a name given to dflash2.register_conv / "module:Name"
     conv_kernel_size: int = 2
     conv_group_size: int = 16
     # -- candidate heads and path selector (DFlash 2) --------------------------------------------
-    selector: str = "walk"
+    selector: str = "walk"  # walk, viterbi, argmax, or a name given to dflash2.register_selector / "module:Name"
     selector_top_k: int = 16
     selector_rank: int = 256
     # -- draft vocabulary (FR-Spec style) --------------------------------------------------------
@@ -105,12 +105,13 @@ class DFlash2Config:
                         f"0..{self.num_target_layers - 1}")
         _check(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
                f"target_layer_ids has duplicates: {list(self.target_layer_ids)}")
-        _check(self.conv in CONV_KINDS, f"conv must be one of {CONV_KINDS}, got {self.conv!r}")
+        from .registry import CONVS, SELECTORS  # built-in or registered names (ValueError naming the known ones)
+
+        CONVS.factory(self.conv)
         if self.conv == "two_tap":
             _check(self.hidden_size % self.conv_group_size == 0,
                    f"hidden_size {self.hidden_size} is not divisible by conv_group_size {self.conv_group_size}")
-        _check(self.selector in SELECTOR_KINDS,
-               f"selector must be one of {SELECTOR_KINDS}, got {self.selector!r}")
+        SELECTORS.factory(self.selector)
         _check(self.selector_top_k <= self.vocab_size,
                f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
         for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):

@@ -8,6 +8,9 @@ so position i sees its left neighbour(s) and nothing crosses the block start. δ
 position from the sublayer's (normed) input by one linear map H → 2·taps·(H/g): one half gives the
 kernel of the conv *before* the sublayer, the other the conv *after* it. Identity at init (tap 0 = 1,
 other taps 0, δ map zero), so a DFlash-1 checkpoint warm-starts a DFlash-2 run exactly.
+
+Both are registered (`dflash2.registry`: `conv: two_tap` / `conv: none`); a convolution of your own is
+`register_conv(name, factory)`, with `factory(config)` an nn.Module of this `forward(h, sublayer, rows)`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .registry import register_conv
 
 Sublayer = Callable[[Tensor], Tensor]
 
@@ -75,3 +80,8 @@ class NoConv(nn.Module):
 
     def forward(self, h: Tensor, sublayer: Sublayer, rows: int | None = None) -> Tensor:
         return sublayer(h)
+
+
+register_conv("two_tap", lambda config: TwoTapDynamicConv(config.hidden_size, config.block_size, config.conv_kernel_size,
+                                                          config.conv_group_size))
+register_conv("none", lambda config: NoConv())

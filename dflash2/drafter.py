@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import reference_format
-from .checks import looks_like_hub_id
+from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
@@ -33,6 +33,9 @@ from .selector import build_selector
 from .target.adapter import TargetAdapter
 from .tree import TokenTree, best_first_tree
 from .verify import Draft
+
+if TYPE_CHECKING:
+    from .interfaces import Selector
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
@@ -171,16 +174,58 @@ class DFlash2Drafter(nn.Module):
         walk/viterbi (or argmax, which drops the codebooks: the selector ablation), top-K, context
         window (fields that change no parameter shape)."""
         config = self.config.replace(**changes)
-        if config.selector != "argmax" and self.config.selector == "argmax":
-            raise ValueError(f"selector {config.selector!r} needs trained codebooks; this drafter has none (argmax)")
         if config.draft_vocab_size not in (None, self.config.draft_vocab_size):
             raise ValueError("a draft vocabulary needs its token ids: use with_draft_vocab(ids)")
         state = self.state_dict()
-        if config.selector == "argmax":
-            state = {k: v for k, v in state.items() if not k.startswith("candidate_selector.")}
         if config.draft_vocab_size is None:
             state.pop("draft_vocab", None)
-        return self._copy(config, state)[0]
+        if config.selector == self.config.selector:
+            return self._copy(config, state)[0]
+        return self._reselect(config, state, None, fresh_ok=False)
+
+    def with_selector(self, selector: "str | Selector") -> "DFlash2Drafter":
+        """A copy with another path selector and the same backbone and head weights. `selector` is a name
+        (walk, viterbi, argmax, one given to `dflash2.register_selector`, or "package.module:Name") or a
+        selector object whose class is registered (the config must name it, so that a saved drafter can
+        be loaded again). The new selector keeps the old one's tensors where their names and shapes
+        agree (walk ↔ viterbi share the codebooks) and starts from its own init elsewhere (then train it:
+        `drafter.selector=NAME` in a training config)."""
+        from .registry import SELECTORS
+
+        if isinstance(selector, str):
+            name, given = selector, None
+        else:
+            names = [n for n, f in SELECTORS._factories.items() if f is type(selector)]
+            if not names:
+                kind = type(selector).__qualname__
+                raise ValueError(f"with_selector: {kind} is not registered; register it first (dflash2.register_selector("
+                                 f"'my_name', {kind})) so that the drafter's config can name it")
+            name, given = names[0], selector
+        return self._reselect(self.config.replace(selector=name), self.state_dict(), given, fresh_ok=True)
+
+    def _reselect(self, config: DFlash2Config, state: dict[str, Tensor], given, fresh_ok: bool) -> "DFlash2Drafter":
+        """A copy of `config` (another selector) with `state`'s backbone and head; its selector (`given`, or
+        the one its config builds) takes `state`'s selector tensors where names and shapes agree. A tensor
+        left at its init is refused unless `fresh_ok` (untrained codebooks would draft as argmax does)."""
+        from .selector import complete_selector
+
+        copy, _ = self._copy(config, {k: v for k, v in state.items() if not k.startswith("candidate_selector.")},
+                             strict=False)
+        if given is not None:  # the object itself, not the fresh one its factory built
+            weight = self.backbone.fc.weight
+            copy.candidate_selector = complete_selector(given, config.selector)
+            if isinstance(given, nn.Module):
+                given.to(device=weight.device, dtype=weight.dtype)
+        theirs = copy.state_dict()
+        shared = {k: v for k, v in state.items() if k.startswith("candidate_selector.") and k in theirs
+                  and theirs[k].shape == v.shape}
+        untrained = sorted(k for k in theirs if k.startswith("candidate_selector.") and k not in shared)
+        if untrained and not fresh_ok:
+            raise ValueError(f"selector {config.selector!r} needs trained parameters that this drafter's "
+                             f"{self.config.selector!r} selector does not have ({untrained}); with_selector("
+                             f"{config.selector!r}) starts them from their init, for training")
+        copy.load_state_dict(shared, strict=False)
+        return copy
 
     def with_draft_vocab(self, token_ids: Tensor | list[int]) -> "DFlash2Drafter":
         """A copy whose LM head drafts among `token_ids` only (FR-Spec: e.g. `draft_vocab.most_frequent(
@@ -442,9 +487,8 @@ def _local_directory(name: str | Path) -> Path:
 
     try:
         return Path(snapshot_download(text, allow_patterns=["*.json", "*.safetensors"]))
-    except Exception as error:  # offline and not cached, a typo, a gated repo: one line
-        raise FileNotFoundError(f"{text}: no such directory, and not a hub id in the cache or on the hub "
-                                f"({type(error).__name__})") from None
+    except Exception as error:  # offline and not cached, a typo, a gated repo: one line that names the id
+        raise FileNotFoundError(hub_failure(text, error)) from None
 
 
 def _check_draft_vocab(ids: Tensor, vocab_size: int, top_k: int) -> None:

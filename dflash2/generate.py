@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import embedded
-from .checks import looks_like_hub_id
+from .checks import from_pretrained, looks_like_hub_id
 from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .loop import ar_generate, spec_generate
@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", help="HF causal LM: local directory or hub id (needs --drafter)")
     p.add_argument("--drafter", help="drafter directory (ours or the published format) or hub id (needs --target)")
     p.add_argument("--variant", choices=embedded.VARIANTS, default="dflash2", help="embedded drafter to run")
+    p.add_argument("--selector", help="path selector: walk, viterbi, argmax, a registered name or 'package.module:Name' "
+                                      "(default: the drafter's own; a selector with parameters the drafter lacks "
+                                      "starts untrained)")
     p.add_argument("--config", type=Path, help="YAML of DFlash2Config fields: a random demo pair instead of the embedded one")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most")
     p.add_argument("--block-size", type=int,
@@ -77,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--drafter-dtype", choices=sorted(DTYPES), default=None,
                    help="run the drafter in this dtype (the target keeps --dtype: the output is the same), "
                         "e.g. bfloat16 on CPUs with native bfloat16")
+    p.add_argument("--dry-run", action="store_true", help="check the arguments, load nothing, decode nothing")
     p.add_argument("--color", choices=("auto", "always", "never"), default="auto",
                    help="green accepted draft tokens (auto: when stdout is a terminal)")
     return p
@@ -113,6 +117,17 @@ def run(args: argparse.Namespace) -> int:
         where = getattr(args, flag)
         if where and not Path(where).expanduser().is_dir() and not looks_like_hub_id(where):
             raise UsageError(f"--{flag} {where}: no such directory (and not a hub id of the form owner/name)")
+    if args.selector is not None:
+        from .registry import SELECTORS
+
+        SELECTORS.factory(args.selector)  # an unknown name fails here, before any model loads
+    if args.dry_run:
+        if args.config:
+            load_config_fields(args.config)
+        pair = f"--target {args.target} --drafter {args.drafter}" if args.target else (
+            f"the embedded pair ({args.variant})" if args.config is None else f"a random pair from {args.config}")
+        print(f"dry run: the arguments are valid (those that need no model); a run would decode {pair}")
+        return 0
     if not sys.stderr.isatty():  # no "Loading weights" bars in logs and pipes
         import transformers
 
@@ -131,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--block-size {args.block_size}: this drafter was trained with blocks of {trained}; "
                              f"it drafts at most that many positions per round")
         drafter = drafter.with_config(block_size=args.block_size)
+    if args.selector is not None and args.selector != drafter.config.selector:
+        drafter = drafter.with_selector(args.selector)
     if args.drafter_dtype:
         drafter = drafter.to(DTYPES[args.drafter_dtype])
     prompt_ids = encode(args.prompt).to(args.device)
@@ -184,6 +201,7 @@ def random_demo_pair(args, dtype: torch.dtype):
     """A tiny random Qwen3 target over bytes and a random drafter: shows the loop, not real drafting."""
     import transformers
 
+    fields = load_config_fields(args.config) if args.config else {}  # a bad file fails before the note
     why = "--config builds" if args.config else "the embedded pair is not in this installation, so this is"
     print(f"note: {why} a tiny randomly initialised model pair: drafts are rarely accepted (τ ≈ 1).\n",
           file=sys.stderr)
@@ -192,7 +210,6 @@ def random_demo_pair(args, dtype: torch.dtype):
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=4096)
     target = transformers.Qwen3ForCausalLM(config).to(device=args.device, dtype=dtype).eval()
-    fields = load_config_fields(args.config) if args.config else {}
     fields.setdefault("mask_token_id", vocab - 1)
     fields.setdefault("block_size", 8)
     drafter = DFlash2Drafter.from_target(target, **fields).eval()
@@ -213,10 +230,29 @@ def load_real_pair(args, dtype: torch.dtype | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     drafter = DFlash2Drafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype or drafter.backbone.fc.weight.dtype)
+    target = from_pretrained(AutoModelForCausalLM.from_pretrained, args.target,
+                             dtype=dtype or drafter.backbone.fc.weight.dtype)
     target = target.to(args.device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
+    tokenizer = from_pretrained(AutoTokenizer.from_pretrained, args.target)
+    trained_on = chat_training_data(args.drafter)
+    if trained_on and not args.chat:
+        print(f"note: this drafter was trained on chat conversations ({trained_on}), and without --chat the "
+              "prompt goes in as raw text, which it has not seen: expect few accepted drafts. Add --chat.\n",
+              file=sys.stderr)
     return _text_codec(tokenizer, args), (lambda ids: tokenizer.decode(ids)), target, drafter
+
+
+def chat_training_data(drafter: str) -> str | None:
+    """The conversations a drafter directory was trained on (its train_config.json, written by
+    dflash2.train), or None: not trained on chat, or no record."""
+    import json
+
+    record = Path(drafter).expanduser() / "train_config.json"
+    try:
+        dataset = json.loads(record.read_text()).get("data", {}).get("dataset")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if not dataset else ", ".join(dataset) if isinstance(dataset, list) else str(dataset)
 
 
 def _text_codec(tokenizer, args):

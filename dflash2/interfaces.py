@@ -6,12 +6,16 @@
                        propose_tree_batch                          drafter pass (else one cache per row)
     CheckedDrafter   + check_target: refuses a target it cannot    every loop, before the first pass
                        read (sizes, layers)
-    Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector)
+    Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector),
+                                                                   drafter.with_selector(name or object)
 
 A new drafter implements `Drafter` (and the others where it can); nothing else is probed. The loops
 check with isinstance against these runtime-checkable protocols (which test that the members exist;
 their signatures are the contract below). tests/test_interfaces.py decodes losslessly with a drafter
-written against `Drafter` alone.
+written against `Drafter` alone, and with a selector written against `Selector` alone, registered
+by name (`dflash2.register_selector`). The types a selector reads and returns are here too:
+`Candidates` (ids and scores of the top-K per position) and `Draft` (tokens, and at T > 0 the
+candidates and the proposal q they were drawn from).
 """
 
 from __future__ import annotations
@@ -84,9 +88,13 @@ class CheckedDrafter(Drafter, Protocol):
 
 @runtime_checkable
 class Selector(Protocol):
-    """A path selector over the candidate lattice: cands [L, K] (ids, unary scores U), hidden [L, H]."""
+    """A path selector over the candidate lattice: cands [L, K] (ids, unary scores U), hidden [L, H].
 
-    trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores`
+    Built by `factory(config)` from its registered name. Missing `select_batch` defaults to the rows one
+    by one through `__call__` at T = 0, missing `trains_on_candidates` to False; a missing `lattice` is
+    refused when a token tree needs it (`dflash2.selector.complete_selector`)."""
+
+    trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores(prev, hidden, cand)`
 
     def __call__(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
                  rng: RandomSource) -> Draft: ...
@@ -102,4 +110,4 @@ class Selector(Protocol):
         ...
 
 
-__all__ = ["BatchDrafter", "CheckedDrafter", "Drafter", "Selector", "TreeDrafter"]
+__all__ = ["BatchDrafter", "Candidates", "CheckedDrafter", "Draft", "Drafter", "Selector", "TreeDrafter"]

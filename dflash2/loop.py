@@ -90,7 +90,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                   generator: torch.Generator | None = None, rng: RandomSource | None = None,
                   on_commit: Callable[[list[int], int], None] | None = None, verify: str = "path",
-                  tree_nodes: int = 32) -> GenerationResult:
+                  tree_nodes: int = 15) -> GenerationResult:
     """Lossless speculative decoding of one sequence: greedy output equals the target's greedy output,
     sampled output has exactly the target's processed distribution (temperature → top-k → top-p).
 

@@ -112,6 +112,12 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
     weights' dtype, written as `dtype`. The run-time `context_window` is not part of the format
     (the engines take it as their serving flag, --speculative-draft-window-size)."""
     extra = config.extra or {}
+    from .selector import BUILTIN
+
+    if config.selector not in BUILTIN or config.conv not in ("two_tap", "none"):
+        raise ValueError(f"the reference format knows the built-in pieces only (selector {list(BUILTIN)}, conv two_tap "
+                         f"or none); this drafter has selector={config.selector!r}, conv={config.conv!r}: save it with "
+                         "format='dflash2'")
     v2 = config.conv == "two_tap"
     if v2 != (config.selector != "argmax"):
         raise ValueError("the reference format has DFlash 1 (no conv, argmax) and DFlash 2 (conv, selector) only; "

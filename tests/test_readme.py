@@ -1,4 +1,6 @@
-"""The README's first Python block runs as written and prints what the README says it prints."""
+"""The README's runnable Python blocks run as written: the first prints what the README says it prints, and
+the "More ways" block after it (the tree, a bfloat16 drafter, the compiled round and StaticTarget, a draft
+vocabulary, batches) gives the target's greedy output every way."""
 
 from __future__ import annotations
 
@@ -10,20 +12,35 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def first_python_block() -> str:
+def python_blocks() -> list[str]:
     text = (ROOT / "README.md").read_text()
-    use_it = text[text.index("## Use it"):]
-    return re.search(r"```python\n(.*?)```", use_it, flags=re.S).group(1)
+    use_it = text[text.index("## Use it"):text.index("## Results")]
+    return re.findall(r"```python\n(.*?)```", use_it, flags=re.S)
 
 
-def test_the_first_python_block_runs_and_drafts():
-    code = first_python_block()
-    assert "load_embedded" in code and "path/to" not in code  # the runnable one, not the placeholder one
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT)
+def test_the_runnable_python_blocks_run_as_written():
+    blocks = python_blocks()
+    first = blocks[0]
+    assert "load_embedded" in first and "placeholder" not in first  # the runnable one, not the real-model one
+    more = next(b for b in blocks if "greedy = ar_generate" in b)  # the "More ways" block
+    out = subprocess.run([sys.executable, "-c", first + "\n" + more], capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
     assert out.returncode == 0, out.stderr[-2000:]
     tau, speedup = map(float, re.match(r"tau (\d+\.\d+), (\d+\.\d+)x plain decoding\n", out.stdout).groups())
     assert tau > 3  # the speed depends on the machine's load; τ does not
     assert speedup > 0
+    assert out.stdout.rstrip().endswith("all ways gave the target's greedy output")
+
+
+def test_the_loops_default_tree_is_the_one_the_readme_and_the_cli_use():
+    import inspect
+
+    from dflash2 import spec_generate, spec_generate_batch
+    from dflash2.generate import build_parser
+
+    cli = build_parser().parse_args([]).tree_nodes
+    for fn in (spec_generate, spec_generate_batch):
+        assert inspect.signature(fn).parameters["tree_nodes"].default == cli == 15
 
 
 def test_what_is_where_names_every_module():

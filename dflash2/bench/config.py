@@ -76,10 +76,11 @@ class BenchConfig:
     # (StaticTarget: its layers over a preallocated cache, torch.compile'd; rows end in _static).
     target_steps: list[str] = field(default_factory=lambda: ["hf"])
     seed: int = 0
-    out: str = "docs/results/bench"
+    out: str | None = None  # None: runs/bench/<the config file's name> (outside the tracked tree)
     quick: bool = False
 
     def __post_init__(self) -> None:
+        self.out = self.out or "runs/bench/default"
         self.drafter_dtypes = [resolve_dtype(d) for d in self.drafter_dtypes]
         if self.target_dtype not in DTYPES:
             raise ValueError(f"target_dtype must be one of {list(DTYPES)}, got {self.target_dtype!r}")

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import json
 import platform
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -137,20 +138,25 @@ def fastest_plain(rows: list[dict[str, Any]]) -> None:
 
 
 def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[str, str],
-                  load: dict[str, Any] | None = None) -> None:
+                  load: dict[str, Any] | None = None, partial: tuple[int, int] | None = None) -> None:
+    """results.json, results.md and the plots of `rows`; `partial` (done, total): written after each finished
+    table, so the files say how many of the run's tables they hold."""
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     now = datetime.datetime.now(datetime.timezone.utc)
     load = load or {}
-    meta = dict(command=" ".join(["python -m dflash2.bench", *sys.argv[1:]]), date=str(now.date()),
+    meta = dict(command=invocation(), date=str(now.date()),
                 finished=now.strftime("%H:%M UTC"), commit=commit(), machine=platform.platform(),
                 cpu=cpu_description(), torch_threads=torch.get_num_threads(), config=dataclasses.asdict(cfg),
                 sources=sources, **load)
+    if partial is not None and partial[0] < partial[1]:
+        meta["partial"] = f"{partial[0]} of {partial[1]} tables (the run was stopped or is still going)"
     (out / "results.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=2) + "\n")
     at = f" at {meta['commit']}" if meta["commit"] else ""
     busy = [t for t in load.get("tables", []) if t.get("busy")]
     lines = [f"Command: `{meta['command']}`{at}, finished {meta['date']} {meta['finished']}, {meta['machine']}, "
-             f"{meta['cpu']}.", "", load_note(load) if load else "Load: not recorded.", "",
+             f"{meta['cpu']}.", "", *([f"**Partial: {meta['partial']}.**", ""] if "partial" in meta else []),
+             load_note(load) if load else "Load: not recorded.", "",
              *[f"**Busy: {'servers ' + ', '.join(t['servers']) + ', ' if t.get('servers') else ''}{t['dataset']}, "
                f"B={t.get('block_size') or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
                f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
@@ -177,6 +183,22 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
                      f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+
+
+def invocation() -> str:
+    """The command line of this process as a user would type it: `python -m MODULE ...` for a module run
+    with -m, `python SCRIPT ...` for a script (an experiment that calls run_bench)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:
+        head = f"python -m {spec.name.removesuffix('.__main__')}"
+    else:
+        script = Path(sys.argv[0]).resolve()
+        try:
+            script = script.relative_to(Path.cwd())
+        except ValueError:
+            pass
+        head = f"python {script}"
+    return " ".join([head, shlex.join(sys.argv[1:])]).strip()
 
 
 def _plot(rows, out: Path) -> list[Path]:

@@ -5,11 +5,14 @@ servers' rows, then the report."""
 from __future__ import annotations
 
 import shlex
+import sys
+import time
 from typing import Any
 
 import torch
 
 from ..batch import left_pad
+from ..checks import from_pretrained
 from ..drafter import DFlash2Drafter
 from ..train.data import render
 from .config import DTYPES, SETTINGS, BenchConfig
@@ -27,14 +30,15 @@ def load_models(cfg: BenchConfig):
     if cfg.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {cfg.device!r}: CUDA is not available on this machine")
     target_dir = resolve(cfg.target)
-    tokenizer = AutoTokenizer.from_pretrained(resolve(cfg.tokenizer) if cfg.tokenizer else target_dir)
+    tokenizer = from_pretrained(AutoTokenizer.from_pretrained, resolve(cfg.tokenizer) if cfg.tokenizer else target_dir)
     dtype = DTYPES[cfg.target_dtype]
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(cfg.device).eval()
+    target = from_pretrained(AutoModelForCausalLM.from_pretrained, target_dir, dtype=dtype).to(cfg.device).eval()
     drafters = {name: DFlash2Drafter.from_pretrained(resolve(path), device=cfg.device, dtype=torch.float32).eval()
                 for name, path in cfg.drafters.items()}  # cast per drafter_dtypes row by row
     ar_draft = None
     if cfg.ar_draft and "hf_assisted" in cfg.methods:
-        ar_draft = AutoModelForCausalLM.from_pretrained(resolve(cfg.ar_draft), dtype=dtype).to(cfg.device).eval()
+        ar_draft = from_pretrained(AutoModelForCausalLM.from_pretrained, resolve(cfg.ar_draft), dtype=dtype)
+        ar_draft = ar_draft.to(cfg.device).eval()
     return tokenizer, target, drafters, ar_draft
 
 
@@ -125,8 +129,6 @@ def stop_ids(tokenizer, target) -> list[int]:
 
 
 def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
-    from tqdm import tqdm
-
     tokenizer, target, drafters, ar_draft = load_models(cfg)
     stops = stop_ids(tokenizer, target)
     prompter = Prompter(tokenizer, cfg.chat_template, cfg.enable_thinking)
@@ -137,6 +139,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     rows, tables, whole = [], [], LoadMonitor(server_cpu=lambda: sum(servers_cpu))
     template = ", chat template" + ("" if cfg.enable_thinking is None else f", enable_thinking={cfg.enable_thinking}")
     sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
+    n_tables = len(sets) * len(cfg.block_sizes) * len(cfg.concurrency) * len(cfg.settings)
     for dataset, prompts in sets.items():
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:
@@ -154,26 +157,34 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                     runs: dict[Method, list[tuple[int, int, Run]]] = {m: [] for m in methods}
                     warm = conc == 1  # one untimed run of each method first (compiles, first-call costs)
                     total = (cfg.repetitions * len(inputs) + warm) * len(methods)
-                    bar = tqdm(total=total, desc=f"{dataset} B={block} c={conc} {setting_name}", leave=False,
-                                disable=None)  # no bar off a terminal
-                    for fn in methods.values() if warm else ():
+                    progress = Progress(f"table {len(tables) + 1}/{n_tables}: {dataset} B={block} c={conc} "
+                                        f"{setting_name}", total)
+                    for method, fn in methods.items() if warm else ():
+                        progress.step(f"warm-up {method.name} (first calls compile)", always=True)
                         call(fn, inputs[0], setting, cfg.seed)
-                        bar.update()
                     engine: dict[Method, Any] = {}  # the engine's rows: one repetition after each of ours
                     for rep in range(cfg.repetitions):
                         for p, conv in enumerate(inputs):
                             for method, fn in methods.items():  # interleaved: every method back to back
+                                progress.step(f"repetition {rep + 1}/{cfg.repetitions}, "
+                                              + (f"prompt {p + 1}/{len(inputs)}, " if conc == 1 else "")
+                                              + method.name)
                                 runs[method].append((rep, p, call(fn, conv, setting, cfg.seed + 1000 * rep + p)))
-                                bar.update()
                         refused = frozenset(m for m, r in engine.items() if r.error)
+                        if cfg.vllm_python:
+                            progress.step(f"repetition {rep + 1}/{cfg.repetitions}: the engine's rows", always=True,
+                                          counts=False)
                         for method, result in run_engine(cfg, drafters, prompter, prompts, block, conc, setting, stops,
                                                          runs, rep, refused):
                             engine[method] = merge_engine(engine[method], result) if method in engine else result
-                    bar.close()
+                    progress.close()
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, block_size=block, concurrency=conc, setting=setting_name, **load))
                     rows += [dict(r, concurrency=conc, busy=load["busy"])
                              for r in summarize(runs, dataset, block, setting_name, setting, engine)]
+                    # every finished table is on disk at once: an interrupted run keeps what it measured
+                    write_outputs(cfg, rows, sources, dict(whole.record(), tables=tables),
+                                  partial=(len(tables), n_tables))
     if cfg.servers:
         from .server import run_servers
 
@@ -197,3 +208,37 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     write_outputs(cfg, rows, sources, dict(load, tables=tables))
     return rows
 
+
+class Progress:
+    """Where a long run is: on a terminal a bar whose label names the running row; off one (a log, a
+    pipe) a line per step at most every `every` seconds, and always for the steps that can take long
+    (warm-up: the first calls compile)."""
+
+    def __init__(self, title: str, total: int, every: float = 10.0) -> None:
+        self.title, self.total, self.every, self.done = title, total, every, 0
+        self.start = self.last = time.perf_counter()
+        self.bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=title, leave=False)
+        else:
+            print(f"{title}: {total} runs", file=sys.stderr, flush=True)
+
+    def step(self, what: str, always: bool = False, counts: bool = True) -> None:
+        """Say that `what` starts now (the step before it has finished); `counts`: one of the total."""
+        if self.bar is not None:
+            self.bar.n = self.done
+            self.bar.set_postfix_str(what)
+        else:
+            now = time.perf_counter()
+            if always or now - self.last >= self.every:
+                print(f"  [{now - self.start:6.0f} s, {self.done}/{self.total}] {what}", file=sys.stderr, flush=True)
+                self.last = now
+        self.done += counts
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        else:
+            print(f"  [{time.perf_counter() - self.start:6.0f} s] {self.title}: done", file=sys.stderr, flush=True)

@@ -62,7 +62,9 @@ def main() -> int:
         "within one table. A speed table with a load record under its command line (\"Quiet machine: ...\") ran "
         "with nothing else on the machine; tables without one were measured before the bench recorded the "
         "machine's load, some while other jobs ran: their τ and outputs stand, their speeds are not results "
-        "until rerun.",
+        "until rerun. A bench command writes under runs/bench/<config> unless given `out=`: the tables here "
+        "were written with `out=docs/results/<their folder>` (the `Written by` lines say so), and the `Command:` "
+        "line under each is what that run's process was given.",
         "",
         "## The embedded target",
         "",
@@ -86,7 +88,7 @@ def main() -> int:
         "",
         f"`{meta['command']}` ({meta['date']}): the first {meta['prompts']} HumanEval prompts, greedy, "
         f"{meta['max_new_tokens']} new tokens, block size {meta['block_size']}. Both drafters were trained by "
-        "`python -m dflash2.train` in six stages with the same regenerated data, steps and optimiser: "
+        "the trainer (`dflash2.train`) in six stages with the same regenerated data, steps and optimiser: "
         "`configs/embedded_dflash{2,1}.yaml` (3500 steps on stdlib prompts), then stages 2, 3, 4, 6 and 7 "
         "of `experiments/embedded/train_drafters.sh` (each the base config plus overrides: 2500 steps on data v3, "
         "half of whose prompts are type-annotated functions of installed packages; 5000 steps on 16000 fresh "
@@ -147,7 +149,8 @@ def main() -> int:
     bench = RESULTS / "bench_headline" / "results.md"
     if bench.is_file():
         lines += ["## Speed: the headline row (batch 1, greedy, B = 16, HumanEval)", "",
-                  "Written by `python -m dflash2.bench --config configs/bench/headline.yaml vllm_python=VENV/bin/python` "
+                  "Written by `python -m dflash2.bench --config configs/bench/headline.yaml vllm_python=VENV/bin/python "
+                  "out=docs/results/bench_headline` "
                   "(docs/results/bench_headline/: JSON with per-round time breakdown and the load record, plot). Our "
                   "methods run interleaved; speedup is the median of per-prompt ratios to our AR measured back to back, "
                   "ratio the ratio of total tokens/s, and vs fastest plain the ratio of total tokens/s to the fastest "
@@ -225,9 +228,9 @@ def main() -> int:
                             "every suite runs through the same path a GPU run of `configs/bench/published_*.yaml` "
                             "takes (docs/published_tables.md).")
     lines += _bench_section("bench_server_vllm", "Server mode: vLLM serving the embedded pair (greedy, B = 16, HumanEval)",
-                            "experiments/serve/bench_server_vllm.py",
-                            "With `--vllm-python VENV/bin/python --prompts 8 --max-new-tokens 128 --repetitions 2` "
-                            "it starts `vllm serve` (vLLM 0.32 CPU build, float32 "
+                            "experiments/serve/bench_server_vllm.py --vllm-python VENV/bin/python --prompts 8 "
+                            "--max-new-tokens 128 --repetitions 2 --out docs/results/bench_server_vllm",
+                            "It starts `vllm serve` (vLLM 0.32 CPU build, float32 "
                             "like our target, 127.0.0.1) twice, without a drafter (`vllm_serve_ar`) and with our "
                             "DFlash-1 drafter exported in the reference format (`vllm_serve_dflash1`, 15 draft "
                             "tokens), sends the same token ids to `/v1/completions` at concurrency 1 and 8 (the two "
@@ -291,7 +294,7 @@ def _roofline_section() -> list[str]:
     if freezing is not None:
         by = lambda v: ", ".join(f"{r['tokens_per_s']:.0f}" for r in freezing["runs"] if r["variant"] == v)  # noqa: E731
         lines += [f"Prepacked weights for those matrix-vector products, tried ({freezing['date']}, "
-                  "`python experiments/static_freezing.py`, other CPU "
+                  "`python experiments/static_freezing.py --out docs/results/static_freezing.json`, other CPU "
                   f"{freezing['other_cpu']}): inductor's `freezing` on the compiled StaticTarget step gave {by('freezing')} "
                   f"tokens/s of plain decoding against {by('plain')} without it, one process each, alternating. Which is "
                   "faster changes from process to process: the difference is within this VM's drift, so "
@@ -347,8 +350,9 @@ def _train_memory_section() -> list[str]:
     after = {(r["vocab"], r["seq_len"]): r for r in data["after"]}
     gb = lambda r: f"{r['peak_rss_gb']:.2f} GB" if r and r.get("fits") else (r or {}).get("note", "—")  # noqa: E731
     lines = ["## Training memory against vocabulary and length", "",
-             "`python experiments/train_memory.py` ([results.json](results/train_memory/results.json)): the peak "
-             "resident memory of a whole `python -m dflash2.train` process, regeneration included (GNU time's maximum "
+             "`python experiments/train_memory.py --out docs/results/train_memory` "
+             "([results.json](results/train_memory/results.json)): the peak "
+             "resident memory of a whole trainer process (`dflash2.train`), regeneration included (GNU time's maximum "
              "resident set size). The target is a random Qwen3 (hidden 64, 4 layers, tied embeddings). Each run is 2 "
              "steps of batch 1 over 2 sequences of T tokens (T/2 prompt, T/2 regenerated), 256 anchors per sequence, "
              "B = 16, one drafter layer, the default DFlash-2 selector (rank 256), soft targets, and a checkpoint every "
@@ -373,7 +377,7 @@ def _regen_section() -> list[str]:
     meta = data["meta"]
     reps = sorted({r["repetition"] for r in data["rows"]})
     lines = ["## Regeneration throughput: the hf and vllm backends", "",
-             "`python experiments/regen_throughput.py --vllm-python ~/vllm-venv/bin/python` "
+             "`python experiments/regen_throughput.py --out docs/results/regen_throughput --vllm-python ~/vllm-venv/bin/python` "
              f"([results.json](results/regen_throughput/results.json); other CPU {meta['other_cpu']}, busy: "
              f"{meta['busy']}). The embedded target, {meta['threads']} threads, float32. The {meta['prompts']} "
              "conversations of `experiments/embedded/chat_sample.jsonl` are rendered with the chat template, and each is "
@@ -516,7 +520,8 @@ def _bench_section(name: str, title: str, config: str, note: str) -> list[str]:
     data = _load(f"{name}/results.json")
     if data is None:
         return []
-    written = f"`python {config}`" if config.endswith(".py") else f"`python -m dflash2.bench --config {config}`"
+    written = (f"`python {config}`" if config.split()[0].endswith(".py")
+               else f"`python -m dflash2.bench --config {config} out=docs/results/{name}`")
     out = [f"## {title}", "", f"Written by {written} (docs/results/{name}/). {note}",
            "", (RESULTS / name / "results.md").read_text(), "",
            "| dataset | setting | concurrency | method | τ | τ − τ(top-1) | draft ms/round | verify ms/round | draft share |",

@@ -9,5 +9,6 @@ cd "$(dirname "$0")/../.."
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: this script needs CUDA')"
 for config in configs/bench/published_*.yaml; do
     echo "== $config"
-    python -m dflash2.bench --config "$config" "$@"
+    name=$(basename "$config" .yaml)
+    python -m dflash2.bench --config "$config" out="docs/results/$name" "$@"
 done

@@ -3,7 +3,7 @@ drafter and once with our DFlash-1 drafter (exported in the reference format), a
 each at concurrency 1 and 8, beside our own loop on the same prompts.
 
     python experiments/serve/bench_server_vllm.py --vllm-python /path/to/vllm-venv/bin/python \
-        [--prompts 8] [--max-new-tokens 128] [--repetitions 2] [--out docs/results/bench_server_vllm] \
+        [--prompts 8] [--max-new-tokens 128] [--repetitions 2] [--out runs/bench/server_vllm] \
         [key=value ...]                                   # more bench overrides
 
 The bench starts both servers on 127.0.0.1 (logs in OUT/server_<name>.log), waits for them, sends each
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repetitions", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--port", type=int, default=8011, help="the first of two ports on 127.0.0.1")
-    parser.add_argument("--out", default="docs/results/bench_server_vllm")
+    parser.add_argument("--out", default="runs/bench/server_vllm")
     parser.add_argument("overrides", nargs="*", help="more bench overrides, e.g. concurrency=[1]")
     args = parser.parse_args(argv)
     if not Path(args.vllm_python).is_file():
