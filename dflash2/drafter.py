@@ -27,7 +27,7 @@ from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates
-from .layers import allow_recompiles
+from .layers import allow_recompiles, announced_first_call
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -351,7 +351,7 @@ class DFlash2Drafter(nn.Module):
         context grows every round. (`backbone.compile` compiles the block pass and the projection
         separately: two calls per round, and the batched path's passes.)"""
         allow_recompiles(64)  # every drafter shares `_round`'s code: each adds a few graphs
-        self._round = torch.compile(self._round, *args, **kwargs)
+        self._round = announced_first_call(torch.compile(self._round, *args, **kwargs), "the drafter's round")
 
     def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
                     lattice: bool = True) -> "RoundScores":

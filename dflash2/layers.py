@@ -6,6 +6,8 @@ map one-to-one onto the published checkpoint format.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -152,3 +154,34 @@ def allow_recompiles(n: int) -> None:
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), n))
+
+
+def announce_compiling(what: str) -> Callable[[], None]:
+    """On a terminal, say that `what` is being compiled (a first compiled call can take minutes and
+    looks like a hang); returns the function that says it is done, with the time. Off a terminal
+    (logs, pipes, tests) both are silent."""
+    import sys
+    import time
+
+    if not sys.stderr.isatty():
+        return lambda: None
+    print(f"compiling {what} (torch.compile: the first calls take from seconds to a few minutes)...",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    return lambda: print(f"compiled {what} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def announced_first_call(fn: Callable, what: str) -> Callable:
+    """`fn` (a torch.compile'd function) whose first call is announced by `announce_compiling`."""
+    state = {"first": True}
+
+    def call(*args, **kwargs):
+        if not state["first"]:
+            return fn(*args, **kwargs)
+        state["first"] = False
+        done = announce_compiling(what)
+        out = fn(*args, **kwargs)
+        done()
+        return out
+
+    return call

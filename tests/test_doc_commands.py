@@ -117,7 +117,8 @@ CHECKED = sorted(c for c in COMMANDS if not any(f" -m {m}" in f" {c}" for m in (
 def test_the_docs_print_commands_to_check():
     # the extraction finds the commands the README is built around (a broken extractor would pass vacuously)
     for expected in ("python -m dflash2.generate", "python -m dflash2.train --config configs/train/embedded_chat.yaml",
-                     "torchrun --nproc-per-node 2 -m dflash2.train --config configs/embedded_dflash2.yaml"):
+                     "python -m dflash2.train --nproc-per-node 2 --config configs/embedded_dflash2.yaml",
+                     "torchrun --nproc-per-node 8 -m dflash2.train --config configs/train/qwen3_8b_b16.yaml"):
         assert expected in CHECKED
     assert len(CHECKED) >= 40
 

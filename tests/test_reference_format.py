@@ -122,5 +122,6 @@ def test_a_hub_id_loads_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     loaded = DFlash2Drafter.from_pretrained("someone/tiny-dflash")
     assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), drafter.state_dict().values()))
-    with pytest.raises(FileNotFoundError, match="not a hub id in the cache"):
+    with pytest.raises(FileNotFoundError, match=r"someone/not-cached: not a local directory, and offline "
+                                                r"\(HF_HUB_OFFLINE is set\): it is not in the local Hugging Face cache"):
         DFlash2Drafter.from_pretrained("someone/not-cached")

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
 from .fused import FusedDecoder, Linear
-from ..layers import allow_recompiles
+from ..layers import allow_recompiles, announce_compiling
 from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -189,11 +189,13 @@ class StaticTarget(TargetAdapter):
         """Compile the step's two graphs (one token; two or more) on a scratch cache before the first
         real pass, so no compilation lands inside a timed decode."""
         self._warm = True
+        done = announce_compiling("the target's StaticTarget step")
         scratch = StaticCache()
         self._reserve(scratch, 8)
         for n in (2, 2, 1):
             self._pass(torch.zeros(1, n, dtype=torch.long, device=self.device),
                        torch.arange(scratch.length, scratch.length + n, device=self.device)[None], scratch, None, None)
+        done()
 
     def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None) -> dict[str, Tensor | None]:
         """Additive masks [1, 1, T, S] per layer kind: causal by position (or the tree's `allowed`),

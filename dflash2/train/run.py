@@ -345,12 +345,17 @@ class Interrupted(Exception):
 def stop_signals(deferred: dict[str, int | None]) -> Iterator[None]:
     """SIGINT / SIGTERM: when deferred["defer"] is set, remember the signal in deferred["signum"] (the
     training loop stops at the end of the step it is in); otherwise, or at a second signal, raise
-    Interrupted at once (the data regeneration: shards are written atomically)."""
+    Interrupted at once (the data regeneration: shards are written atomically). A repeat within
+    REPEAT_S of the first is the same request delivered twice (under torchrun a worker gets Ctrl-C from
+    the terminal and again from the launcher, which forwards it), not a second one."""
 
     def handler(signum, frame):
-        if deferred.get("defer") and deferred.get("signum") is None:
-            deferred["signum"] = signum
-            return
+        if deferred.get("defer"):
+            if deferred.get("signum") is None:
+                deferred["signum"], deferred["at"] = signum, time.monotonic()
+                return
+            if time.monotonic() - deferred["at"] < REPEAT_S:
+                return
         raise Interrupted(signum)
 
     old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -359,6 +364,9 @@ def stop_signals(deferred: dict[str, int | None]) -> Iterator[None]:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+REPEAT_S = 2.0
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -527,6 +535,16 @@ class Run:
             self.opt.load_state_dict(state["optimizer"])
         return state["step"]
 
+    def agree_on_stop(self, signum: int | None) -> int | None:
+        """The signal any rank received during this step (None: none did), the same on every rank: a
+        signal reaches the processes at different moments, and a rank that stopped a step before the others
+        would leave them waiting in the next step's all-reduce."""
+        if not self.distributed:
+            return signum
+        flag = torch.tensor([signum or 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag) or None
+
     def save(self, step: int, record: dict[str, Any]) -> None:
         state = self.state(step)  # every rank takes part in gathering a sharded state
         if self.rank == 0:
@@ -602,11 +620,15 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
                             tau=f"{expected_tau_from_accuracy(m['top1_acc_by_pos']):.2f}",
                             **({"heldout_tau": f"{record['heldout_tau']:.2f}"} if "heldout_tau" in record else {}),
                             tok_s=f"{record['tokens_per_s']:.0f}", anc_s=f"{record['anchors_per_s']:.0f}")
-            if done % cfg.ckpt_every == 0 or done == end or signals["signum"] is not None:
+            stop = run.agree_on_stop(signals["signum"])  # every rank stops after the same step
+            if done % cfg.ckpt_every == 0 or done == end or stop is not None:
                 run.save(done, record)
-            if signals["signum"] is not None:  # saved just above
+            if stop is not None:  # saved just above
                 bar.close()
-                raise Interrupted(signals["signum"], f"{signal.Signals(signals['signum']).name} at step {done} of "
+                if run.distributed:  # no rank leaves while rank 0 writes (a launcher stops the rest when one exits)
+                    dist.barrier()
+                    dist.destroy_process_group()
+                raise Interrupted(stop, f"{signal.Signals(stop).name} at step {done} of "
                                   f"{cfg.steps}: checkpoint written to {run.out / 'ckpt.pt'}; the same command resumes")
         signals["defer"] = 0
         bar.close()
@@ -673,6 +695,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many more steps (default: run to `steps`)")
     p.add_argument("--export", type=Path, metavar="DIR",
                    help="train nothing: write the run's last checkpoint as a drafter directory DIR")
+    p.add_argument("--nproc-per-node", type=int, metavar="N",
+                   help="train with N processes on this machine (parallel: ddp or fsdp), launched like torchrun "
+                        "--standalone; Ctrl-C or SIGTERM: one line, a checkpoint at the step reached, every process "
+                        "gone, exit 130 / 143")
     p.add_argument("--dry-run", action="store_true",
                    help="check the config and say what a run would do (data, steps, where), then stop: nothing loaded")
     p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. steps=200 drafter.block_size=8")
@@ -682,6 +708,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.dry_run:
             print(describe(cfg))
             return 0
+        if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:  # the launcher, not a worker
+            if args.nproc_per_node < 1:
+                raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
+            forwarded = list(argv if argv is not None else sys.argv[1:])
+            i = next(i for i, a in enumerate(forwarded) if a.startswith("--nproc-per-node"))
+            del forwarded[i: i + (1 if "=" in forwarded[i] else 2)]
+            return launch(args.nproc_per_node, forwarded)
         if args.export:
             step = export_checkpoint(cfg, args.export)
             print(f"wrote the step-{step} drafter of {cfg.out} to {args.export}")
@@ -690,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as stop:
         detail = str(stop) if str(stop) != signal.Signals(stop.signum).name else (
             f"{signal.Signals(stop.signum).name}: stopped before the first training step; the same command resumes")
-        print(f"interrupted by {detail}", file=sys.stderr)
+        if int(os.environ.get("RANK", "0")) == 0:  # one line for the whole run, not one per process
+            print(f"interrupted by {detail}", file=sys.stderr)
         return 128 + stop.signum
     except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -703,6 +737,40 @@ def main(argv: list[str] | None = None) -> int:
     elif not final.is_dir():
         print(f"the run stopped before step {cfg.steps}: the same command resumes it; --export DIR writes its last "
               "checkpoint as a drafter")
+    return 0
+
+
+def launch(nproc: int, argv: list[str], shutdown_timeout: int = 300) -> int:
+    """`python -m dflash2.train --nproc-per-node N ...`: torch.distributed.run's elastic launch of N
+    workers (`--standalone`: one machine, a free port), run in this process so that its ending is ours.
+    torchrun itself answers Ctrl-C with its SignalException traceback and exit 1; here the launcher
+    forwards the signal, waits up to `shutdown_timeout` s for the workers (rank 0 prints the one line
+    and writes the checkpoint of the step every rank reached) and exits 128 + the signal."""
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run as elastic_run
+
+    for name in list(logging.Logger.manager.loggerDict):  # rank 0's line says it all (each has its own level)
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    parser = get_args_parser()
+    flags = ["--standalone", f"--nproc-per-node={nproc}"]
+    if "--shutdown-timeout" in parser._option_string_actions:  # torch >= 2.9: the workers' time to checkpoint
+        flags.append(f"--shutdown-timeout={shutdown_timeout}")
+    try:
+        elastic_run(parser.parse_args([*flags, "-m", "dflash2.train", *argv]))
+    except SignalException as stop:  # this process got the signal and forwarded it: the workers have stopped
+        return 128 + int(stop.sigval)
+    except ChildFailedError as failed:
+        codes = sorted({f.exitcode for f in failed.failures.values()})
+        if set(codes) <= {130, 143}:  # the workers got the signal themselves and stopped as asked
+            return codes[-1]
+        print(f"error: {len(failed.failures)} of the {nproc} training processes failed (exit codes {codes}); "
+              "their messages are above", file=sys.stderr)
+        return 1
     return 0
 
 
