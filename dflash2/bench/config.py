@@ -3,8 +3,10 @@ sampling settings, the dtypes, and what the machine's CPU can do."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import urllib.parse
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,6 +28,49 @@ ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1"
 
 VLLM_METHODS = ("vllm_ar", "vllm_dflash1", "vllm_dflash2")  # with vllm_python: the engine, in its own venv
 
+
+
+APIS = ("openai", "sglang")
+LOCAL_HOSTS = ("127.0.0.1", "localhost")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    url: str  # the base address, e.g. http://127.0.0.1:8000
+    launch: str | list[str] | None = None  # a command the bench starts and stops (the server on 127.0.0.1)
+    env: dict[str, str] | None = None  # extra environment of the launched command (OMP_NUM_THREADS, ...)
+    api: str = "openai"  # openai: /v1/completions (vLLM, SGLang); sglang: SGLang's /generate
+    model: str | None = None  # the served model name of a request; default: the first of /v1/models
+    block_size: int | None = None  # the server's draft block (num_speculative_tokens + 1); None: no drafter
+    startup_timeout_s: float = 900.0
+    request_timeout_s: float = 600.0
+
+    @classmethod
+    def parse(cls, name: str, spec: Any) -> ServerSpec:
+        if isinstance(spec, ServerSpec):
+            return spec
+        if isinstance(spec, str):
+            spec = {"url": spec}
+        if not isinstance(spec, dict) or "url" not in spec:
+            raise ValueError(f"servers.{name} must be a URL or a mapping with a url (and launch, api, model, "
+                             f"block_size), got {spec!r}")
+        known = {f.name for f in fields(cls)} - {"name"}
+        bad = sorted(set(spec) - known)
+        if bad:
+            raise ValueError(f"servers.{name}: unknown keys {bad}; known: {sorted(known)}")
+        out = cls(name=name, **spec)
+        address = urllib.parse.urlparse(out.url)
+        if address.scheme not in ("http", "https") or not address.hostname:
+            raise ValueError(f"servers.{name}.url must be an http(s) address, got {out.url!r}")
+        if out.launch is not None and address.hostname not in LOCAL_HOSTS:
+            raise ValueError(f"servers.{name}: a server the bench launches must listen on 127.0.0.1 or "
+                             f"localhost, not {address.hostname}")
+        if out.api not in APIS:
+            raise ValueError(f"servers.{name}.api must be one of {list(APIS)}, got {out.api!r}")
+        if out.block_size is not None and (not isinstance(out.block_size, int) or out.block_size < 2):
+            raise ValueError(f"servers.{name}.block_size must be an integer >= 2 (or absent: no drafter)")
+        return out
 
 
 @dataclass
@@ -114,8 +159,6 @@ class BenchConfig:
         bad = sorted(set(self.dataset_files) - set(self.datasets))
         if bad:
             raise ValueError(f"dataset_files names {bad}, which are not in datasets {self.datasets}")
-        from .server import ServerSpec
-
         self.servers = {name: ServerSpec.parse(name, spec) for name, spec in self.servers.items()}
         if self.server_concurrency is not None and any(not isinstance(c, int) or c < 1 for c in self.server_concurrency):
             raise ValueError(f"server_concurrency must be positive integers, got {self.server_concurrency}")

@@ -18,37 +18,7 @@ import torch
 from ..engines.vllm import refusal_reason
 from .config import HF_BASELINES, BenchConfig, cpu_description
 from .machine import commit, load_note
-
-
-def _ratios(items, base: dict) -> list[float]:
-    """tokens/s(run) / tokens/s(the base's run of the same prompt and repetition, measured back to back)."""
-    ratios = []
-    for rep, p, r in items:
-        b = base.get((rep, p))
-        if b is not None and r.seconds > 0 and b.seconds > 0:
-            ratios.append((r.new_tokens / r.seconds) / (b.new_tokens / b.seconds))
-    return ratios
-
-
-def _median_ratio(items, base: dict) -> float | None:
-    """Median over (repetition, prompt) of the per-prompt ratios against the base."""
-    ratios = _ratios(items, base)
-    return statistics.median(ratios) if ratios else None
-
-
-def _quartiles(ratios: list[float]) -> tuple[float, float] | None:
-    """First and third quartiles of per-prompt ratios (the spread behind the median)."""
-    ratios = sorted(ratios)
-    if len(ratios) < 2:
-        return (ratios[0], ratios[0]) if ratios else None
-    q = statistics.quantiles(ratios, n=4, method="inclusive")
-    return q[0], q[2]
-
-
-def _tokens_per_s(items) -> float:
-    """Tokens per second over a method's runs (its total tokens over its total time)."""
-    seconds = sum(r.seconds for _, _, r in items)
-    return sum(r.new_tokens for _, _, r in items) / seconds if seconds else 0.0
+from .stats import median_ratio, quartiles, ratios, tokens_per_s
 
 
 def acceptance_histogram(lengths: list[int], block: int) -> list[float]:
@@ -64,20 +34,20 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
     by_name = {m.name: m for m in runs}
     ar = by_name.get("ar")
     base = {(rep, p): r for rep, p, r in runs[ar]} if ar else {}
-    ar_tps = _tokens_per_s(runs[ar]) if ar and runs[ar] else None
-    plain = {m: _tokens_per_s(items) for m, items in runs.items() if m.plain and items}
+    ar_tps = tokens_per_s(runs[ar]) if ar and runs[ar] else None
+    plain = {m: tokens_per_s(items) for m, items in runs.items() if m.plain and items}
     fastest = max(plain, key=plain.get, default=None)
     # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
-    hf = max((m for m in runs if m.family in HF_BASELINES), key=lambda m: _tokens_per_s(runs[m]), default=None)
+    hf = max((m for m in runs if m.family in HF_BASELINES), key=lambda m: tokens_per_s(runs[m]), default=None)
     best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
     rows = []
     for method, items in runs.items():
-        ratios = _ratios(items, base)
+        per_prompt = ratios(items, base)
         row = dict(method=method.name, dataset=dataset, block_size=block, setting=setting_name, **setting,
-                   tokens_per_s=_tokens_per_s(items), speedup=statistics.median(ratios) if ratios else None,
+                   tokens_per_s=tokens_per_s(items), speedup=statistics.median(per_prompt) if per_prompt else None,
                    runs=len(items), new_tokens=sum(r.new_tokens for _, _, r in items))
         row["tokens_per_s_ratio"] = row["tokens_per_s"] / ar_tps if ar_tps else None
-        spread = _quartiles(ratios)
+        spread = quartiles(per_prompt)
         if spread is not None:
             row["speedup_q1"], row["speedup_q3"] = spread
         if fastest:
@@ -94,8 +64,8 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
             rows.append(row)
             continue
         if hf and method.drafts:
-            row.update(best_hf_baseline=hf.name, speedup_vs_best_hf=_median_ratio(items, best),
-                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / _tokens_per_s(runs[hf]))
+            row.update(best_hf_baseline=hf.name, speedup_vs_best_hf=median_ratio(items, best),
+                       tokens_per_s_vs_best_hf=row["tokens_per_s"] / tokens_per_s(runs[hf]))
         lengths = [n for _, _, r in items if r.acceptance for n in r.acceptance]
         row["tau"] = sum(lengths) / len(lengths) if lengths else (1.0 if method.family in ("ar", "hf_generate") else None)
         if lengths:

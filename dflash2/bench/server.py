@@ -49,54 +49,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..engines.vllm import add_counters
-
-APIS = ("openai", "sglang")
-LOCAL_HOSTS = ("127.0.0.1", "localhost")
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str
-    url: str  # the base address, e.g. http://127.0.0.1:8000
-    launch: str | list[str] | None = None  # a command the bench starts and stops (the server on 127.0.0.1)
-    env: dict[str, str] | None = None  # extra environment of the launched command (OMP_NUM_THREADS, ...)
-    api: str = "openai"  # openai: /v1/completions (vLLM, SGLang); sglang: SGLang's /generate
-    model: str | None = None  # the served model name of a request; default: the first of /v1/models
-    block_size: int | None = None  # the server's draft block (num_speculative_tokens + 1); None: no drafter
-    startup_timeout_s: float = 900.0
-    request_timeout_s: float = 600.0
-
-    @classmethod
-    def parse(cls, name: str, spec: Any) -> ServerSpec:
-        if isinstance(spec, ServerSpec):
-            return spec
-        if isinstance(spec, str):
-            spec = {"url": spec}
-        if not isinstance(spec, dict) or "url" not in spec:
-            raise ValueError(f"servers.{name} must be a URL or a mapping with a url (and launch, api, model, "
-                             f"block_size), got {spec!r}")
-        known = {f.name for f in fields(cls)} - {"name"}
-        bad = sorted(set(spec) - known)
-        if bad:
-            raise ValueError(f"servers.{name}: unknown keys {bad}; known: {sorted(known)}")
-        out = cls(name=name, **spec)
-        address = urllib.parse.urlparse(out.url)
-        if address.scheme not in ("http", "https") or not address.hostname:
-            raise ValueError(f"servers.{name}.url must be an http(s) address, got {out.url!r}")
-        if out.launch is not None and address.hostname not in LOCAL_HOSTS:
-            raise ValueError(f"servers.{name}: a server the bench launches must listen on 127.0.0.1 or "
-                             f"localhost, not {address.hostname}")
-        if out.api not in APIS:
-            raise ValueError(f"servers.{name}.api must be one of {list(APIS)}, got {out.api!r}")
-        if out.block_size is not None and (not isinstance(out.block_size, int) or out.block_size < 2):
-            raise ValueError(f"servers.{name}.block_size must be an integer >= 2 (or absent: no drafter)")
-        return out
-
+from .config import ServerSpec
+from .stats import quartiles, ratios, tokens_per_s
 
 # -- the server's life ------------------------------------------------------------------------------------
 class Launched:
@@ -436,7 +395,6 @@ def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
 
 def _rows(key: tuple, runs: dict[str, list], info: dict[str, dict], cfg) -> list[dict[str, Any]]:
     from .config import SETTINGS
-    from .report import _quartiles, _ratios, _tokens_per_s
 
     dataset, conc, setting_name = key
     plain = next((n for n in runs if info[n]["spec"].block_size is None), None)
@@ -444,14 +402,14 @@ def _rows(key: tuple, runs: dict[str, list], info: dict[str, dict], cfg) -> list
     rows = []
     for name, items in runs.items():
         spec, data = info[name]["spec"], info[name]
-        ratios = _ratios(items, base)
+        per_prompt = ratios(items, base)
         tokens = sum(r.new_tokens for _, _, r in items)
         row = dict(method=name, dataset=dataset, block_size=spec.block_size, concurrency=conc, setting=setting_name,
                    **SETTINGS[setting_name], engine="server" + (f" {data['version']}" if data["version"] else ""),
-                   url=spec.url, api=spec.api, tokens_per_s=_tokens_per_s(items), new_tokens=tokens, runs=len(items),
-                   speedup=statistics.median(ratios) if ratios else None,
+                   url=spec.url, api=spec.api, tokens_per_s=tokens_per_s(items), new_tokens=tokens, runs=len(items),
+                   speedup=statistics.median(per_prompt) if per_prompt else None,
                    speedup_vs=plain, busy=data["load"]["busy"])
-        spread = _quartiles(ratios)
+        spread = quartiles(per_prompt)
         if spread is not None:
             row["speedup_q1"], row["speedup_q3"] = spread
         sd, steps = data["spec_decode"], data["steps"]
