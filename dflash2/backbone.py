@@ -117,6 +117,11 @@ class KVInjectionAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * hd, H, bias=False)
         self.q_norm = RMSNorm(hd, config.rms_norm_eps)
         self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        self.value_scale, self.interleaved = config.attention_value_scale, config.rope_interleaved
+        if config.attention_sink_bias:  # a sink logit per head (published checkpoints ship it)
+            self.attention_sink_bias = nn.Parameter(torch.zeros(self.num_heads))
+        else:
+            self.attention_sink_bias = None
 
     def project_kv(self, x: Tensor, rope: Rope) -> tuple[Tensor, Tensor]:
         """x [N, T, H], rope (cos, sin) of its positions → k, v [N, kv_heads, T, hd] (k normed, rotated)."""
@@ -128,7 +133,9 @@ class KVInjectionAttention(nn.Module):
         N, T, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(N, T, self.num_kv_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(N, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(k, *rope), v
+        if self.value_scale is not None:
+            v = v * self.value_scale
+        return apply_rope(k, *rope, self.interleaved), v
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
                 mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
@@ -141,7 +148,7 @@ class KVInjectionAttention(nn.Module):
         Q = T if rows is None else rows
         cos, sin = rope
         q = self.q_norm(self.q_proj(x[:, :Q]).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, Q, hd)
-        q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :])
+        q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :], self.interleaved)
         k, v = self._project_kv(x, rope)
         if slots is None:
             k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
@@ -150,7 +157,7 @@ class KVInjectionAttention(nn.Module):
             n = torch.arange(N, device=x.device)[:, None]
             context_k[n, :, slots], context_v[n, :, slots] = k.transpose(1, 2), v.transpose(1, 2)
             k, v = context_k[:, :, : mask.shape[-1]], context_v[:, :, : mask.shape[-1]]
-        out = attention(q, k, v, None if mask is None else mask[..., :Q, :])  # (N, h, Q, hd)
+        out = attention(q, k, v, None if mask is None else mask[..., :Q, :], self.attention_sink_bias)  # (N, h, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
 
 

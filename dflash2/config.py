@@ -44,6 +44,12 @@ class DFlash2Config:
     #                                    if p - k < W (and k - p < W in a non-causal layer); None: no window
     is_causal: bool | None = None  # True: block position i sees block positions <= i (and the context);
     #                                None: sliding layers causal, full layers bidirectional
+    attention_value_scale: float | None = None  # values (context and block) × this before attention (vLLM's
+    #                                          dflash_config.attention_value_scale); None: × 1
+    attention_sink_bias: bool = False  # a learned sink logit per head in every layer's softmax, which takes
+    #                                    probability and gives no value (dflash_config.attention_sink_bias)
+    rope_interleaved: bool = False  # RoPE on adjacent channel pairs (GPT-J style: the published is_neox_style:
+    #                                 false) instead of rotate-half (NeoX style, the default)
     # -- block diffusion -------------------------------------------------------------------------
     block_size: int = 16
     mask_token_id: int = 0
@@ -114,7 +120,10 @@ class DFlash2Config:
         SELECTORS.factory(self.selector)
         _check(self.selector_top_k <= self.vocab_size,
                f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
-        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping"):
+        _check(isinstance(self.attention_sink_bias, bool), f"attention_sink_bias must be true or false, got "
+                                                           f"{self.attention_sink_bias!r}")
+        _check(isinstance(self.rope_interleaved, bool), f"rope_interleaved must be true or false, got {self.rope_interleaved!r}")
+        for name in ("input_embedding_scale", "output_multiplier", "final_logit_softcapping", "attention_value_scale"):
             value = getattr(self, name)
             _check(value is None or (isinstance(value, (int, float)) and value > 0),
                    f"{name} must be None or a positive number, got {value!r}")

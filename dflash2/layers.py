@@ -96,29 +96,52 @@ class RotaryEmbedding:
         return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [N, heads, T, hd] rotated by cos/sin [T, rd] or [N, 1, T, rd] (rotate-half convention over
-    the first rd channels; the others pass through, as partial rotary embeddings do)."""
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = False) -> Tensor:
+    """x [N, heads, T, hd] rotated by cos/sin [T, rd] or [N, 1, T, rd] over the first rd channels (the
+    others pass through, as partial rotary embeddings do). Rotate-half (NeoX) pairs channel i with
+    i + rd/2; `interleaved` (GPT-J) pairs 2i with 2i + 1, frequency i (cos/sin hold each frequency twice,
+    [angles, angles], so their first half is one per pair)."""
     rd = cos.shape[-1]
     if rd < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :rd], cos, sin), x[..., rd:]], dim=-1)
+        return torch.cat([apply_rope(x[..., :rd], cos, sin, interleaved), x[..., rd:]], dim=-1)
+    if interleaved:
+        c, s = cos[..., : rd // 2], sin[..., : rd // 2]
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * c - odd * s, odd * c + even * s], dim=-1).flatten(-2)
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sinks: Tensor | None = None) -> Tensor:
     """q [N, h, Tq, d], k/v [N, h_kv, Tk, d], mask bool (True = attend) broadcastable to [N, h, Tq, Tk]
     ([Tq, Tk] or [N, 1, Tq, Tk]) or None → [N, h, Tq, d].
 
+    sinks [h]: one more logit per head in each query's softmax, with no value (attention sinks: the
+    softmax over [q·k / √d ..., sink], the sink's share dropped). Written as a key of zeros whose
+    additive mask is the sink, so that SDPA computes it exactly.
+
     Grouped-query heads are expanded here. flash-attn is used when importable, on CUDA, in half
-    precision and without a mask; PyTorch SDPA otherwise.
+    precision, without a mask or sinks; PyTorch SDPA otherwise.
     """
-    groups = q.shape[1] // k.shape[1]
+    if sinks is not None:
+        N, h, Tq, _ = q.shape
+        bias = (q.new_zeros(Tq, k.shape[2]) if mask is None else
+                torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf")))
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+        bias = bias.expand(bias.shape[0], h, Tq, k.shape[2])
+        sink = sinks.to(q.dtype).view(1, h, 1, 1).expand(bias.shape[0], h, Tq, 1)
+        zero = k.new_zeros(k.shape[0], k.shape[1], 1, k.shape[3])
+        return _sdpa(q, torch.cat([k, zero], 2), torch.cat([v, zero], 2), torch.cat([bias, sink], -1))
     if mask is None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
         flash = _flash_attn_func()
         if flash is not None:  # flash-attn takes [N, T, h, d] and handles GQA itself
             out = flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=False)
             return out.transpose(1, 2)
+    return _sdpa(q, k, v, mask)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    groups = q.shape[1] // k.shape[1]
     if groups > 1 and SDPA_GQA:  # the kernel reads each K/V head for its group of query heads
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     if groups > 1:

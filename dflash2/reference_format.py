@@ -37,7 +37,8 @@ V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_t
 OPTIONS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 # top-level fields whose presence in an imported config is remembered, to write back the same set
 TRACKED = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "layer_types", "sliding_window",
-           "use_sliding_window", "is_causal", "dtype", "torch_dtype")
+           "use_sliding_window", "is_causal", "dtype", "torch_dtype", "is_neox_style")
+SINK_TOP_LEVEL = "add_swa_attention_sink_bias"  # the sink flag's top-level name (MiMo-style configs)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -70,6 +71,11 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
         raise ValueError("reference config has attention_bias: true; dflash2's drafter layers have no projection biases")
     if meta.get("hidden_act", "silu") != "silu":
         raise ValueError(f"reference config has hidden_act {meta['hidden_act']!r}; dflash2's MLP is SwiGLU (silu)")
+    narrow = meta.get("target_hidden_size")
+    if narrow is not None and narrow != meta.get("hidden_size"):
+        raise ValueError(f"reference config has target_hidden_size {narrow} != hidden_size {meta.get('hidden_size')}: a "
+                         "drafter narrower or wider than its target needs its own embedding and LM head, and dflash2's "
+                         "drafters borrow the target's (not supported yet)")
     qwen3 = _qwen3_defaults()
     fields: dict[str, Any] = {ours: meta.pop(theirs) if theirs in meta else getattr(qwen3, theirs)
                               for theirs, ours in SIZES.items()}
@@ -82,6 +88,15 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
         value = take(name)
         if value is not None:
             fields[name] = value
+    value_scale = take("attention_value_scale")
+    if value_scale is not None:
+        fields["attention_value_scale"] = float(value_scale)
+    sink = dflash.pop("attention_sink_bias", None)  # vLLM: dflash_config first, then the top-level name
+    if sink is None and SINK_TOP_LEVEL in meta:
+        sink = meta.pop(SINK_TOP_LEVEL)
+        top_level.append(SINK_TOP_LEVEL)
+    fields["attention_sink_bias"] = bool(sink)
+    fields["rope_interleaved"] = meta.pop("is_neox_style", True) is False  # rotary layout of the draft's own Q/K
     if not fields.get("final_logit_softcapping"):  # the reference: a cap of 0 or null is off
         fields.pop("final_logit_softcapping", None)
     fields.update(conv="two_tap", selector="walk") if arch == V2 else fields.update(conv="none", selector="argmax")
@@ -95,11 +110,28 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
         start = meta.get("max_window_layers", qwen3.max_window_layers)
         types = ["sliding_attention" if window is not None and i >= start else "full_attention"
                  for i in range(fields["num_layers"])]
-    fields["layer_types"] = () if all(t == "full_attention" for t in types) and "layer_types" not in present \
-        else tuple(types)
+    given_types = "layer_types" in present
+    fields["layer_types"] = () if all(t == "full_attention" for t in types) and not given_types else tuple(types)
     fields["sliding_window"] = window
     fields["is_causal"] = None if meta.get("is_causal") is None else bool(meta.pop("is_causal"))
     meta.pop("is_causal", None)
+    # vLLM's fields (its _resolve_layer_attention), read and kept in dflash_config as written: `use_swa`
+    # makes every layer slide unless layer_types already has sliding ones; the window is
+    # `swa_window_size`, else the top-level sliding_window; `causal` decides for every layer unless
+    # is_causal does; without either, layers that slide only by use_swa are bidirectional.
+    if dflash.get("use_swa") or "swa_window_size" in dflash:
+        window = dflash.get("swa_window_size", raw_window)
+        any_sliding = given_types and "sliding_attention" in types
+        if dflash.get("use_swa") and not any_sliding:
+            fields["layer_types"] = ("sliding_attention",) * fields["num_layers"]
+            if fields["is_causal"] is None and dflash.get("causal") is None:
+                fields["is_causal"] = False
+        if any(t == "sliding_attention" for t in fields["layer_types"]):
+            if window is None:
+                raise ValueError("dflash_config.use_swa needs a window: dflash_config.swa_window_size or sliding_window")
+            fields["sliding_window"] = int(window)
+    if fields["is_causal"] is None and dflash.get("causal") is not None:
+        fields["is_causal"] = bool(dflash["causal"])
     meta.pop("dtype", None), meta.pop("torch_dtype", None)
     fields["extra"] = {"architecture": arch, "config": meta, "dflash_config": dflash, "top_block_size": top_block,
                        "present": present, "top_level": top_level,
@@ -161,6 +193,12 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
     for name in OPTIONS:
         if getattr(config, name) is not None:
             dflash[name] = getattr(config, name)
+    if config.attention_value_scale is not None:
+        dflash["attention_value_scale"] = config.attention_value_scale
+    if config.attention_sink_bias:
+        dflash[SINK_TOP_LEVEL if SINK_TOP_LEVEL in top_level else "attention_sink_bias"] = True
+    if config.rope_interleaved or "is_neox_style" in present:
+        meta["is_neox_style"] = not config.rope_interleaved
     for name in top_level:  # fields the imported file kept at the top level go back there
         if name in dflash:
             meta[name] = dflash.pop(name)

@@ -5,6 +5,13 @@ transformers' `Qwen3Config`, and the SGLang / vLLM ports), on plain 2-d tensors,
 reference-format `config.json` dict and its tensors by their published names. It shares no code
 with the dflash2 package: only transformers' RoPE initialisation functions, which the reference
 itself calls. Float64 throughout, one sequence, no cache: every call recomputes from scratch.
+
+The fields only vLLM 0.32 reads (`vllm/model_executor/models/qwen3_dflash.py`, read in its wheel) are
+computed as its `_resolve_layer_attention`, `_dflash_layer_causal` and DFlashQwen3Attention do:
+`dflash_config.use_swa` / `swa_window_size` / `causal`, the per-head attention sinks
+(`dflash_config.attention_sink_bias` or top-level `add_swa_attention_sink_bias`; vLLM's `sinks`: one
+more logit per head in the softmax, no value), `dflash_config.attention_value_scale` (values × s,
+context and block), `is_neox_style: false` (GPT-J rotary on adjacent channel pairs).
 """
 
 from __future__ import annotations
@@ -23,13 +30,26 @@ def resolve(cfg: dict) -> dict:
     types = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= cfg.get("max_window_layers", 28)
                                        else "full_attention" for i in range(n)]
     layers = []
-    for t in types:
-        sliding = t == "sliding_attention"
-        causal = sliding if cfg.get("is_causal") is None else bool(cfg["is_causal"])
+    forced = None  # vLLM's use_swa: every layer slides unless layer_types already has sliding ones
+    given = cfg.get("layer_types")
+    if dflash.get("use_swa") or "swa_window_size" in dflash:
+        window = dflash.get("swa_window_size", cfg.get("sliding_window"))
+        if dflash.get("use_swa") and not (given and "sliding_attention" in given):
+            forced = True
+    for i, t in enumerate(types):
+        sliding = forced if forced is not None else t == "sliding_attention"
+        if cfg.get("is_causal") is not None:
+            causal = bool(cfg["is_causal"])
+        elif dflash.get("causal") is not None:
+            causal = bool(dflash["causal"])
+        else:
+            causal = given is not None and given[i] == "sliding_attention" if forced else sliding
         layers.append((causal, window if sliding else None))
     rope = dict(cfg.get("rope_parameters") or {"rope_type": "default", "rope_theta": cfg.get("rope_theta", 10000.0)})
     cap = value("final_logit_softcapping")
-    return dict(layers=layers, head_dim=cfg.get("head_dim", 128), rope=rope,
+    sinks = dflash.get("attention_sink_bias", cfg.get("add_swa_attention_sink_bias", False))
+    return dict(layers=layers, head_dim=cfg.get("head_dim", 128), rope=rope, sinks=bool(sinks),
+                value_scale=dflash.get("attention_value_scale"), neox=cfg.get("is_neox_style", True),
                 scale=float(value("input_embedding_scale", 1.0)), multiplier=float(value("output_multiplier", 1.0)),
                 cap=float(cap) if cap else None, block=int(value("block_size", 16)), mask=value("mask_token_id"),
                 top_k=value("selector_top_k"), v2="DFlash2DraftModel" in cfg["architectures"])
@@ -57,12 +77,21 @@ def rope_tables(cfg: dict, r: dict, positions: Tensor) -> tuple[Tensor, Tensor]:
     return emb.cos() * scaling, emb.sin() * scaling
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [heads, T, hd]: rotate-half over the first rd channels, the rest passes through."""
+def rotate(x: Tensor, cos: Tensor, sin: Tensor, neox: bool = True) -> Tensor:
+    """x [heads, T, hd]: rotate-half (NeoX) over the first rd channels, or (GPT-J) each adjacent pair
+    (2i, 2i+1) by frequency i; the rest passes through."""
     rd = cos.shape[-1]
     a, rest = x[..., :rd], x[..., rd:]
     half = rd // 2
-    rotated = a * cos + torch.cat([-a[..., half:], a[..., :half]], dim=-1) * sin
+    if neox:
+        rotated = a * cos + torch.cat([-a[..., half:], a[..., :half]], dim=-1) * sin
+    else:
+        rotated = torch.empty_like(a)
+        for i in range(half):  # pair by pair, as GPT-J writes it
+            c, s = cos[..., i:i + 1], sin[..., i:i + 1]
+            x0, x1 = a[..., 2 * i:2 * i + 1], a[..., 2 * i + 1:2 * i + 2]
+            rotated[..., 2 * i:2 * i + 1] = x0 * c - x1 * s
+            rotated[..., 2 * i + 1:2 * i + 2] = x1 * c + x0 * s
     return torch.cat([rotated, rest], dim=-1)
 
 
@@ -114,12 +143,19 @@ def block_hidden(cfg: dict, t: dict[str, Tensor], embedding: Tensor, features: T
         both = torch.cat([fused, h])
         k = rms((both @ w("self_attn.k_proj.weight").T).view(C + B, kv_heads, hd), w("self_attn.k_norm.weight"), eps)
         v = (both @ w("self_attn.v_proj.weight").T).view(C + B, kv_heads, hd)
-        q = rotate(q.transpose(0, 1), cos[C:], sin[C:])  # [heads, B, hd]
-        k = rotate(k.transpose(0, 1), cos, sin).repeat_interleave(heads // kv_heads, dim=0)
+        if r["value_scale"] is not None:
+            v = v * r["value_scale"]
+        q = rotate(q.transpose(0, 1), cos[C:], sin[C:], r["neox"])  # [heads, B, hd]
+        k = rotate(k.transpose(0, 1), cos, sin, r["neox"]).repeat_interleave(heads // kv_heads, dim=0)
         v = v.transpose(0, 1).repeat_interleave(heads // kv_heads, dim=0)
         scores = (q @ k.transpose(1, 2)) * hd ** -0.5
         scores = scores.masked_fill(~visible(q_pos, k_pos, causal, window), float("-inf"))
-        out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(B, heads * hd) @ w("self_attn.o_proj.weight").T
+        if r["sinks"]:  # [heads, B, C+B] → [heads, B, C+B+1]: the sink takes its share and gives nothing
+            sink = w("self_attn.attention_sink_bias")[:, None, None].expand(heads, B, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        out = (probs @ v).transpose(0, 1).reshape(B, heads * hd) @ w("self_attn.o_proj.weight").T
         if r["v2"]:
             out = conv(out, dyn[:, 1], w("attention_conv.base_kernel")[1], group)
         x = x + out

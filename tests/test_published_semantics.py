@@ -45,6 +45,15 @@ LAYOUTS = {
     "sliding-without-use_sliding_window": {"layer_types": [S, S], "sliding_window": 5},  # Qwen3Config drops W
     "max_window_layers": {"num_hidden_layers": 3, "use_sliding_window": True, "sliding_window": 4,
                           "max_window_layers": 1, "is_causal": False},  # no layer_types: layers 1, 2 slide
+    # vLLM's fields (MiMo-V2.5-Pro DFlash: use_swa, non-causal): every layer slides, bidirectional
+    "use_swa-W5": {"dflash_config": {"use_swa": True, "swa_window_size": 5}},
+    "use_swa-top-level-window": {"sliding_window": 6, "dflash_config": {"use_swa": True}},  # no use_sliding_window
+    "use_swa-over-full-types": {"layer_types": [F, F], "sliding_window": 4, "dflash_config": {"use_swa": True}},
+    "use_swa-mixed-types": {"num_hidden_layers": 3, "layer_types": [S, F, S],  # the types decide, S causal
+                            "dflash_config": {"use_swa": True, "swa_window_size": 5}},
+    "use_swa-causal": {"dflash_config": {"use_swa": True, "swa_window_size": 4, "causal": True}},
+    "dflash-causal": {"dflash_config": {"causal": True}},
+    "dflash-causal-under-is_causal": {"is_causal": False, "dflash_config": {"causal": True}},  # is_causal wins
 }
 EXTRAS = {
     "options": {"dflash_config": {"output_multiplier": 0.7, "final_logit_softcapping": 2.5,
@@ -55,6 +64,15 @@ EXTRAS = {
     "partial-rotary": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
                                            "partial_rotary_factor": 0.5}},
     "top-level-options": {"output_multiplier": 1.3, "input_embedding_scale": 0.8},  # read after dflash_config
+    # vLLM's attention fields
+    "value-scale": {"dflash_config": {"attention_value_scale": 0.45}},
+    "sink-bias": {"dflash_config": {"attention_sink_bias": True}},
+    "sink-bias-top-level": {"add_swa_attention_sink_bias": True},
+    "interleaved-rope": {"is_neox_style": False},
+    "interleaved-partial-rope": {"is_neox_style": False, "rope_parameters": {"rope_type": "default",
+                                 "rope_theta": 10000.0, "partial_rotary_factor": 0.5}},
+    "mimo-like": {"is_neox_style": False, "dflash_config": {"use_swa": True, "swa_window_size": 5,
+                                                            "attention_sink_bias": True, "attention_value_scale": 2.0}},
 }
 
 
@@ -74,10 +92,15 @@ def reference_config(version: int, overrides: dict) -> dict:
 
 
 def reference_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    return random_reference_tensors(v2="DFlash2DraftModel" in cfg["architectures"], layers=cfg["num_hidden_layers"],
-                                    hidden=H, heads=HEADS, kv_heads=KV, head_dim=HD, intermediate=INTER,
-                                    n_features=len(LAYER_IDS), vocab=VOCAB, taps=TAPS, group=GROUP, rank=RANK,
-                                    seed=seed, scale=0.3, base_offset=0.5, codebook_scale=3.0)
+    t = random_reference_tensors(v2="DFlash2DraftModel" in cfg["architectures"], layers=cfg["num_hidden_layers"],
+                                 hidden=H, heads=HEADS, kv_heads=KV, head_dim=HD, intermediate=INTER,
+                                 n_features=len(LAYER_IDS), vocab=VOCAB, taps=TAPS, group=GROUP, rank=RANK,
+                                 seed=seed, scale=0.3, base_offset=0.5, codebook_scale=3.0)
+    if ref.resolve(cfg)["sinks"]:  # vLLM's per-head sink logits, one vector per layer (large: they must matter)
+        g = torch.Generator().manual_seed(seed + 100)
+        for i in range(cfg["num_hidden_layers"]):
+            t[f"layers.{i}.self_attn.attention_sink_bias"] = 2.0 * torch.randn(HEADS, generator=g, dtype=torch.float64)
+    return t
 
 
 def write(path, cfg: dict, tensors: dict) -> DFlash2Drafter:
@@ -155,6 +178,122 @@ def test_the_parity_check_fails_on_layout_mutants(tmp_path, monkeypatch, mutant)
         tensors = reference_tensors(cfg)
         worst, differ, _ = compare_rounds(write(tmp_path / layout, cfg, tensors), cfg, tensors)
         assert worst > 1e-3, f"the mutant {mutant} passes the parity check on {layout}"
+
+
+def _without(cfg: dict, name: str) -> dict:
+    """cfg read by a reader that does not know dflash_config.`name`."""
+    out = json.loads(json.dumps(cfg))
+    out["dflash_config"].pop(name)
+    return out
+
+
+def _each_attention(drafter, **changes):
+    for layer in drafter.backbone.layers:
+        for name, value in changes.items():
+            setattr(layer.self_attn, name, value)
+    return drafter
+
+
+# a reader or a layer that ignores one of vLLM's fields must fail the parity check on a config that sets it
+FIELD_MUTANTS = {
+    "use_swa ignored": ("use_swa-W5", lambda cfg, path, t: write(path, _without(cfg, "use_swa"), t)),
+    "swa_window_size ignored": ({"sliding_window": 9, "dflash_config": {"use_swa": True, "swa_window_size": 3}},
+                                lambda cfg, path, t: write(path, _without(cfg, "swa_window_size"), t)),
+    "dflash causal ignored": ("dflash-causal", lambda cfg, path, t: write(path, _without(cfg, "causal"), t)),
+    "value scale ignored": ("value-scale", lambda cfg, path, t: _each_attention(write(path, cfg, t), value_scale=None)),
+    "sinks ignored": ("sink-bias", lambda cfg, path, t: _each_attention(write(path, cfg, t), attention_sink_bias=None)),
+    "rotate-half for is_neox_style false": ("interleaved-rope",
+                                            lambda cfg, path, t: _each_attention(write(path, cfg, t), interleaved=False)),
+}
+
+
+@pytest.mark.parametrize("mutant", FIELD_MUTANTS)
+def test_the_parity_check_fails_when_a_published_field_is_ignored(tmp_path, mutant):
+    name, make = FIELD_MUTANTS[mutant]
+    fields = LAYOUTS.get(name, EXTRAS.get(name)) if isinstance(name, str) else name
+    cfg = reference_config(2, fields)
+    tensors = reference_tensors(cfg)
+    assert compare_rounds(write(tmp_path / "right", cfg, tensors), cfg, tensors)[0] < 1e-10
+    worst, _, _ = compare_rounds(make(cfg, tmp_path / "mutant", tensors), cfg, tensors)
+    assert worst > 1e-3, f"{mutant}: the parity check passes (off by {worst:.1e})"
+
+
+@pytest.mark.parametrize("extra", ["value-scale", "sink-bias", "interleaved-rope", "mimo-like"])
+def test_vllms_attention_fields_hold_in_batches_in_training_and_stay_lossless(tmp_path, extra):
+    cfg = reference_config(2, LAYOUTS["mixed-W5-noncausal"] | EXTRAS[extra] if extra != "mimo-like" else EXTRAS[extra])
+    tensors = reference_tensors(cfg, seed=4)
+    drafter = write(tmp_path, cfg, tensors)
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    embedding = target.get_input_embeddings().weight.detach()
+    context, everything, lengths = drafter.new_context_batch(), [features(14, s) for s in range(2)], [0, 0]
+    context.add_rows(2)
+    for step in ([9, 4], [3, 6]):
+        news = [everything[r][None, lengths[r]:lengths[r] + n] for r, n in enumerate(step)]
+        lengths = [a + n for a, n in zip(lengths, step)]
+        with torch.no_grad():
+            drafter.propose_batch(context, [5, 17], news, adapter, 0.0, None)
+            hidden, _ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
+        for r, anchor in enumerate([5, 17]):
+            want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)
+            torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
+    ids = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(5))
+    feats = features(20, 6)[None]
+    anchors = torch.tensor([[1, 7, 12]])
+    with torch.no_grad():
+        out = masked_block_forward(drafter, adapter, ids, feats, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        want = ref.block_hidden(cfg, tensors, embedding, feats[0, :a], int(ids[0, a]))
+        torch.testing.assert_close(out.hidden[0, j], want[1:], rtol=0, atol=1e-10)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for verify in ("path", "tree"):
+        got = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=16, verify=verify)
+        assert got.sequences[0].tolist() == hf_greedy(target, prompt, 16)
+
+
+MIMO_LIKE = {  # the fields vLLM's docstring names for MiMo-V2.5-Pro DFlash, on a small drafter
+    "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128,
+    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096, "vocab_size": 1000, "num_target_layers": 8, "is_neox_style": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "dtype": "bfloat16",
+    "dflash_config": {"mask_token_id": 999, "target_layer_ids": [1, 4, 6], "block_size": 8, "use_swa": True,
+                      "swa_window_size": 128, "attention_sink_bias": True, "attention_value_scale": 0.5},
+}
+
+
+def test_vllms_fields_are_read_and_written_back():
+    config = config_from_reference(MIMO_LIKE)
+    assert config.attention_layout == ((False, 128),) * 2
+    assert config.attention_sink_bias and config.attention_value_scale == 0.5 and config.rope_interleaved
+    out = reference_from_config(config, torch.bfloat16)
+    assert {k: v for k, v in out.items() if k not in ("layer_types", "use_sliding_window", "sliding_window",
+                                                      "is_causal")} == MIMO_LIKE  # every field as it was
+    assert out["layer_types"] == [S, S] and out["is_causal"] is False and out["sliding_window"] == 128
+    again = config_from_reference(out)
+    assert (again.attention_layout, again.attention_sink_bias, again.attention_value_scale, again.rope_interleaved) == \
+        (config.attention_layout, True, 0.5, True)
+    top = json.loads(json.dumps(MIMO_LIKE))
+    top["dflash_config"].pop("attention_sink_bias")
+    top["add_swa_attention_sink_bias"] = True  # the top-level spelling is read, and written back where it was
+    assert reference_from_config(config_from_reference(top), torch.bfloat16)["add_swa_attention_sink_bias"] is True
+    with pytest.raises(ValueError, match="use_swa needs a window"):
+        config_from_reference(MIMO_LIKE | {"dflash_config": {**MIMO_LIKE["dflash_config"], "swa_window_size": None}})
+
+
+def test_a_drafter_of_ours_with_vllms_fields_exports_them(tmp_path):
+    torch.manual_seed(0)
+    d = DFlash2Drafter.from_target(tiny_target("qwen3"), block_size=B, mask_token_id=MASK, selector_top_k=TOP_K,
+                                   selector_rank=RANK, attention_sink_bias=True, attention_value_scale=0.7,
+                                   rope_interleaved=True).double()
+    assert d.backbone.layers[0].self_attn.attention_sink_bias.shape == (d.config.num_attention_heads,)
+    d.save_pretrained(tmp_path, format="reference")
+    out = json.loads((tmp_path / "config.json").read_text())
+    assert out["is_neox_style"] is False and out["dflash_config"]["attention_sink_bias"] is True
+    assert out["dflash_config"]["attention_value_scale"] == 0.7
+    assert "layers.0.self_attn.attention_sink_bias" in load_file(str(tmp_path / "model.safetensors"))
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    worst, differ, _ = compare_rounds(DFlash2Drafter.from_pretrained(tmp_path), out, tensors)
+    assert worst < 1e-10 and differ == 0
 
 
 @pytest.mark.parametrize("layout", ["full-causal", "sliding-W3-noncausal", "sliding-W7-causal-unset",
@@ -335,3 +474,10 @@ def test_gemma_targets_scale_the_raw_embedding_matrix_explicitly():
     torch.testing.assert_close(d.embed_block(ids, adapter),
                                torch.nn.functional.embedding(ids, target.get_input_embeddings().weight) * H ** 0.5)
     assert DFlash2Drafter.from_target(tiny_target("qwen3"), mask_token_id=MASK).config.input_embedding_scale is None
+
+
+def test_a_drafter_narrower_than_its_target_is_refused_clearly():
+    cfg = reference_config(2, {"target_hidden_size": 2 * H})
+    with pytest.raises(ValueError, match=r"target_hidden_size 64 != hidden_size 32: .*own embedding and LM head"):
+        config_from_reference(cfg)
+    assert config_from_reference(reference_config(2, {"target_hidden_size": H})).hidden_size == H  # equal: read

@@ -78,10 +78,11 @@ def test_a_registered_selector_is_lossless_greedy_single_and_batched(no_repeat, 
     assert [r.sequences[0].tolist() for r in rows] == [hf_greedy(model, p, 12) for p in prompts]
 
 
-def test_a_registered_selector_samples_the_targets_distribution(no_repeat):
+def sampled_deviation(selector: str) -> tuple[float, int]:
+    """Largest gap between the exact output distribution with `selector` and plain sampling, and branches."""
     V, prompt, n = 3, [1, 2], 4
     model = tiny_target("qwen3", vocab=V, seed=3)
-    drafter = drafter_of("no_repeat", vocab=V, block=3, target=model)
+    drafter = drafter_of(selector, vocab=V, block=3, target=model)
     params = SamplingParams(1.0)
 
     def program(rng):
@@ -90,7 +91,24 @@ def test_a_registered_selector_samples_the_targets_distribution(no_repeat):
 
     ours, branches = enumerate_outcomes(program)
     exact = exact_ar_distribution(model, prompt, n, lambda logits: process_logits(logits, params))
-    assert branches > 10 and max_abs_diff(ours, exact) < 1e-12
+    return max_abs_diff(ours, exact), branches
+
+
+def test_a_registered_selector_samples_the_targets_distribution(no_repeat):
+    deviation, branches = sampled_deviation("no_repeat")
+    assert branches > 10 and deviation < 1e-12
+
+
+def test_the_distribution_check_catches_a_selector_whose_q_is_not_what_it_drew():
+    mutant = extending_example().replace("picks.append(rng.categorical(qs[-1]))", "picks.append(int(scores.argmax()))")
+    assert mutant != extending_example()
+    namespace: dict = {}
+    exec(compile(mutant.replace('"no_repeat"', '"no_repeat_mutant"'), "mutant", "exec"), namespace)
+    try:
+        deviation, _ = sampled_deviation("no_repeat_mutant")
+        assert deviation > 1e-4
+    finally:
+        SELECTORS._factories.pop("no_repeat_mutant", None)
 
 
 def test_with_selector_takes_an_object_of_a_registered_class_and_saves_its_name(no_repeat, tmp_path):
