@@ -115,12 +115,13 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     fields["sliding_window"] = window
     fields["is_causal"] = None if meta.get("is_causal") is None else bool(meta.pop("is_causal"))
     meta.pop("is_causal", None)
-    # vLLM's fields (its _resolve_layer_attention), read and kept in dflash_config as written: `use_swa`
-    # makes every layer slide unless layer_types already has sliding ones; the window is
-    # `swa_window_size`, else the top-level sliding_window; `causal` decides for every layer unless
-    # is_causal does; without either, layers that slide only by use_swa are bidirectional.
+    # vLLM's fields (its _resolve_layer_attention over the Qwen3Config it builds), read and kept in
+    # dflash_config as written: `use_swa` makes every layer slide unless layer_types already has sliding
+    # ones; the window is `swa_window_size`, else Qwen3Config's sliding_window (None without
+    # use_sliding_window: refused, as vLLM refuses it); `causal` decides for every layer unless is_causal
+    # does; without either, layers that slide only by use_swa are bidirectional.
     if dflash.get("use_swa") or "swa_window_size" in dflash:
-        window = dflash.get("swa_window_size", raw_window)
+        window = dflash.get("swa_window_size", window)
         any_sliding = given_types and "sliding_attention" in types
         if dflash.get("use_swa") and not any_sliding:
             fields["layer_types"] = ("sliding_attention",) * fields["num_layers"]
@@ -128,7 +129,8 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
                 fields["is_causal"] = False
         if any(t == "sliding_attention" for t in fields["layer_types"]):
             if window is None:
-                raise ValueError("dflash_config.use_swa needs a window: dflash_config.swa_window_size or sliding_window")
+                raise ValueError("dflash_config.use_swa needs a window: dflash_config.swa_window_size, or sliding_window "
+                                 "with use_sliding_window: true (vLLM refuses the file too)")
             fields["sliding_window"] = int(window)
     if fields["is_causal"] is None and dflash.get("causal") is not None:
         fields["is_causal"] = bool(dflash["causal"])

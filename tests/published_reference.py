@@ -8,7 +8,8 @@ itself calls. Float64 throughout, one sequence, no cache: every call recomputes 
 
 The fields only vLLM 0.32 reads (`vllm/model_executor/models/qwen3_dflash.py`, read in its wheel) are
 computed as its `_resolve_layer_attention`, `_dflash_layer_causal` and DFlashQwen3Attention do:
-`dflash_config.use_swa` / `swa_window_size` / `causal`, the per-head attention sinks
+`dflash_config.use_swa` / `swa_window_size` / `causal` (over the Qwen3Config vLLM builds, whose
+`sliding_window` is None without `use_sliding_window`), the per-head attention sinks
 (`dflash_config.attention_sink_bias` or top-level `add_swa_attention_sink_bias`; vLLM's `sinks`: one
 more logit per head in the softmax, no value), `dflash_config.attention_value_scale` (values × s,
 context and block), `is_neox_style: false` (GPT-J rotary on adjacent channel pairs).
@@ -33,7 +34,7 @@ def resolve(cfg: dict) -> dict:
     forced = None  # vLLM's use_swa: every layer slides unless layer_types already has sliding ones
     given = cfg.get("layer_types")
     if dflash.get("use_swa") or "swa_window_size" in dflash:
-        window = dflash.get("swa_window_size", cfg.get("sliding_window"))
+        window = dflash.get("swa_window_size", window)  # vLLM's hf_config is a Qwen3Config: W as resolved above
         if dflash.get("use_swa") and not (given and "sliding_attention" in given):
             forced = True
     for i, t in enumerate(types):

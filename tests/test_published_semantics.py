@@ -47,8 +47,9 @@ LAYOUTS = {
                           "max_window_layers": 1, "is_causal": False},  # no layer_types: layers 1, 2 slide
     # vLLM's fields (MiMo-V2.5-Pro DFlash: use_swa, non-causal): every layer slides, bidirectional
     "use_swa-W5": {"dflash_config": {"use_swa": True, "swa_window_size": 5}},
-    "use_swa-top-level-window": {"sliding_window": 6, "dflash_config": {"use_swa": True}},  # no use_sliding_window
-    "use_swa-over-full-types": {"layer_types": [F, F], "sliding_window": 4, "dflash_config": {"use_swa": True}},
+    "use_swa-top-level-window": {"use_sliding_window": True, "sliding_window": 6, "dflash_config": {"use_swa": True}},
+    "use_swa-over-full-types": {"layer_types": [F, F], "use_sliding_window": True, "sliding_window": 4,
+                                "dflash_config": {"use_swa": True}},
     "use_swa-mixed-types": {"num_hidden_layers": 3, "layer_types": [S, F, S],  # the types decide, S causal
                             "dflash_config": {"use_swa": True, "swa_window_size": 5}},
     "use_swa-causal": {"dflash_config": {"use_swa": True, "swa_window_size": 4, "causal": True}},
@@ -197,7 +198,8 @@ def _each_attention(drafter, **changes):
 # a reader or a layer that ignores one of vLLM's fields must fail the parity check on a config that sets it
 FIELD_MUTANTS = {
     "use_swa ignored": ("use_swa-W5", lambda cfg, path, t: write(path, _without(cfg, "use_swa"), t)),
-    "swa_window_size ignored": ({"sliding_window": 9, "dflash_config": {"use_swa": True, "swa_window_size": 3}},
+    "swa_window_size ignored": ({"use_sliding_window": True, "sliding_window": 9,
+                                 "dflash_config": {"use_swa": True, "swa_window_size": 3}},
                                 lambda cfg, path, t: write(path, _without(cfg, "swa_window_size"), t)),
     "dflash causal ignored": ("dflash-causal", lambda cfg, path, t: write(path, _without(cfg, "causal"), t)),
     "value scale ignored": ("value-scale", lambda cfg, path, t: _each_attention(write(path, cfg, t), value_scale=None)),
@@ -276,8 +278,11 @@ def test_vllms_fields_are_read_and_written_back():
     top["dflash_config"].pop("attention_sink_bias")
     top["add_swa_attention_sink_bias"] = True  # the top-level spelling is read, and written back where it was
     assert reference_from_config(config_from_reference(top), torch.bfloat16)["add_swa_attention_sink_bias"] is True
-    with pytest.raises(ValueError, match="use_swa needs a window"):
-        config_from_reference(MIMO_LIKE | {"dflash_config": {**MIMO_LIKE["dflash_config"], "swa_window_size": None}})
+    without = {**MIMO_LIKE["dflash_config"]}
+    without.pop("swa_window_size")
+    for top in ({}, {"sliding_window": 64}):  # no window, or one Qwen3Config drops (no use_sliding_window)
+        with pytest.raises(ValueError, match="use_swa needs a window"):
+            config_from_reference(MIMO_LIKE | top | {"dflash_config": without})
 
 
 def test_a_drafter_of_ours_with_vllms_fields_exports_them(tmp_path):
