@@ -186,8 +186,9 @@ def test_a_finished_training_run_says_where_the_drafter_is_and_how_to_use_it(cha
     assert main(args) == 0
     lines = capsys.readouterr().out.splitlines()
     final = tmp_path / "run" / "final"
-    assert lines[-2:] == [f"drafter: {final}", f"use it: python -m dflash2.generate --target {target} "
-                                              f"--drafter {final}" + (" --chat" if chat else "")]
+    request = ' --chat --prompt "Write a Python function that reverses a string."' if chat else ""
+    assert lines[-2:] == [f"drafter: {final}", f"use it: python -m dflash2.generate --target {target} --drafter {final}"
+                                              + request]
     early = [a if not a.startswith("out=") else f"out={tmp_path / 'early'}" for a in args]
     assert main(early + ["--stop-after", "1"]) == 0  # stopped before the end: no drafter yet, and it says so
     assert "the run stopped before step 2: the same command resumes it" in capsys.readouterr().out
