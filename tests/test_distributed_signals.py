@@ -40,11 +40,11 @@ def no_process_outlives_its_test():
             proc.wait()
 
 
-def start(target: Path, out: Path, torchrun: bool = False) -> subprocess.Popen:
+def start(target: Path, out: Path, torchrun: bool = False, parallel: str = "ddp") -> subprocess.Popen:
     """The run, once both ranks are in the training loop (rank 0's bar has counted a step)."""
     args = [f"target={target}", f"out={out}", "steps=2000", "batch_size=2", "ckpt_every=1000", "drafter.block_size=4",
             f"drafter.mask_token_id={MASK}", "drafter.num_layers=1", "data.num_sequences=8", "data.prompt_tokens=4",
-            "data.new_tokens=8"]
+            "data.new_tokens=8", f"parallel={parallel}"]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
                "dflash2.train", *args]
@@ -96,10 +96,10 @@ def interrupted_lines(err: str) -> list[str]:
     return [line for line in err.splitlines() if line.startswith("interrupted by")]
 
 
-@pytest.mark.parametrize("how, code", [("SIGINT", 130), ("SIGTERM", 143)])
-def test_the_launcher_stops_every_rank_with_one_line_and_a_checkpoint(target_dir, tmp_path, how, code):
+@pytest.mark.parametrize("how, code, parallel", [("SIGINT", 130, "ddp"), ("SIGTERM", 143, "ddp"), ("SIGINT", 130, "fsdp")])
+def test_the_launcher_stops_every_rank_with_one_line_and_a_checkpoint(target_dir, tmp_path, how, code, parallel):
     out = tmp_path / "run"
-    proc = start(target_dir, out)
+    proc = start(target_dir, out, parallel=parallel)
     os.killpg(proc.pid, getattr(signal, how))  # Ctrl-C in a terminal: the whole process group
     rc, err, step = wait(proc, out)
     assert rc == code, err[-3000:]
@@ -108,6 +108,7 @@ def test_the_launcher_stops_every_rank_with_one_line_and_a_checkpoint(target_dir
     assert len(lines) == 1, err[-3000:]  # rank 0 only
     assert lines[0] == (f"interrupted by {how} at step {step} of 2000: checkpoint written to {out / 'ckpt.pt'}; "
                         "the same command resumes") and step >= 3
+    assert bool(load_checkpoint(out / "ckpt.pt").get("fsdp")) == (parallel == "fsdp")  # every rank gathered it
 
 
 def test_a_signal_to_one_rank_stops_both_at_the_same_step(target_dir, tmp_path):

@@ -721,6 +721,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = train(cfg, stop_after=args.stop_after)
     except Interrupted as stop:
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a worker stopped as asked: its launcher's signal changes nothing
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         detail = str(stop) if str(stop) != signal.Signals(stop.signum).name else (
             f"{signal.Signals(stop.signum).name}: stopped before the first training step; the same command resumes")
         if int(os.environ.get("RANK", "0")) == 0:  # one line for the whole run, not one per process
@@ -755,7 +758,7 @@ def launch(nproc: int, argv: list[str], shutdown_timeout: int = 300) -> int:
 
     for name in list(logging.Logger.manager.loggerDict):  # rank 0's line says it all (each has its own level)
         if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.ERROR)
+            logging.getLogger(name).setLevel(logging.CRITICAL)
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
     parser = get_args_parser()
     flags = ["--standalone", f"--nproc-per-node={nproc}"]
@@ -767,8 +770,9 @@ def launch(nproc: int, argv: list[str], shutdown_timeout: int = 300) -> int:
         return 128 + int(stop.sigval)
     except ChildFailedError as failed:
         codes = sorted({f.exitcode for f in failed.failures.values()})
-        if set(codes) <= {130, 143}:  # the workers got the signal themselves and stopped as asked
-            return codes[-1]
+        stopped = {130, 143, -signal.SIGINT, -signal.SIGTERM}  # as asked, or ended by the launcher once stopping
+        if set(codes) <= stopped and set(codes) & {130, 143}:  # the workers got the signal themselves
+            return max(set(codes) & {130, 143})
         print(f"error: {len(failed.failures)} of the {nproc} training processes failed (exit codes {codes}); "
               "their messages are above", file=sys.stderr)
         return 1
