@@ -171,7 +171,8 @@ class DFlash2Drafter(nn.Module):
 
     def with_config(self, **changes: Any) -> "DFlash2Drafter":
         """A copy with some config fields changed and the same weights: block size, selector among
-        walk/viterbi (or argmax, which drops the codebooks: the selector ablation), top-K, context
+        walk/viterbi (or argmax, which drops the codebooks: the selector ablation; a selector whose
+        parameters this drafter lacks is refused: `with_selector` starts them fresh), top-K, context
         window (fields that change no parameter shape)."""
         config = self.config.replace(**changes)
         if config.draft_vocab_size not in (None, self.config.draft_vocab_size):
@@ -195,12 +196,11 @@ class DFlash2Drafter(nn.Module):
         if isinstance(selector, str):
             name, given = selector, None
         else:
-            names = [n for n, f in SELECTORS._factories.items() if f is type(selector)]
-            if not names:
+            name, given = SELECTORS.name_of(type(selector)), selector
+            if name is None:
                 kind = type(selector).__qualname__
                 raise ValueError(f"with_selector: {kind} is not registered; register it first (dflash2.register_selector("
                                  f"'my_name', {kind})) so that the drafter's config can name it")
-            name, given = names[0], selector
         return self._reselect(self.config.replace(selector=name), self.state_dict(), given, fresh_ok=True)
 
     def _reselect(self, config: DFlash2Config, state: dict[str, Tensor], given, fresh_ok: bool) -> "DFlash2Drafter":

@@ -51,6 +51,11 @@ class Registry:
 
         return add if factory is None else add(factory)
 
+    def name_of(self, factory: Callable[[Any], Any]) -> str | None:
+        """The first name `factory` is registered under (None: not registered)."""
+        self._load_builtins()
+        return next((name for name, f in self._factories.items() if f is factory), None)
+
     def names(self) -> tuple[str, ...]:
         self._load_builtins()
         return tuple(self._factories)
