@@ -732,13 +732,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) != 0:  # one report for the whole run
+        return 0
     print(f"run directory: {out}")
     final = out / "final"
-    if final.is_dir() and int(os.environ.get("RANK", "0")) == 0:
+    if final.is_dir():
         # trained on chat turns: prompt it the same way, with a request rather than the demo's code prefix
         chat = ' --chat --prompt "Write a Python function that reverses a string."' if cfg.data.dataset is not None else ""
         print(f"drafter: {final}\nuse it: python -m dflash2.generate --target {cfg.target} --drafter {final}{chat}")
-    elif not final.is_dir():
+    else:
         print(f"the run stopped before step {cfg.steps}: the same command resumes it; --export DIR writes its last "
               "checkpoint as a drafter")
     return 0
