@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from ..overrides import load_yaml_with_overrides
-from .config import BenchConfig
+from .config import BenchConfig, num_tables
 from .run import run_bench
 
 
@@ -67,10 +67,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def describe(cfg: BenchConfig) -> str:
     """What a run of `cfg` would measure (the --dry-run output)."""
-    tables = len(cfg.datasets) * len(cfg.block_sizes) * len(cfg.concurrency) * len(cfg.settings)
     lines = [f"dry run: the config is valid; a run would write {cfg.out}",
              f"  target {cfg.target}, drafters {cfg.drafters}",
-             f"  {tables} tables: datasets {cfg.datasets} × B {cfg.block_sizes} × concurrency {cfg.concurrency} "
+             f"  {num_tables(cfg)} tables: datasets {cfg.datasets} × B {cfg.block_sizes} × concurrency {cfg.concurrency} "
              f"× {cfg.settings}; {cfg.num_prompts} prompts × {cfg.repetitions} repetitions, {cfg.max_new_tokens} new tokens",
              f"  methods {cfg.methods}" + (f", target steps {cfg.target_steps}" if cfg.target_steps != ["hf"] else "")]
     if cfg.servers:

@@ -183,6 +183,11 @@ class BenchConfig:
             raise ValueError(f"token_counts {self.token_counts!r} is neither 'embedded' nor a file")
 
 
+def num_tables(cfg: "BenchConfig") -> int:
+    """How many tables a run of `cfg` measures: one per dataset, block size, concurrency and setting."""
+    return len(cfg.datasets) * len(cfg.block_sizes) * len(cfg.concurrency) * len(cfg.settings)
+
+
 def native_bf16() -> bool:
     """True when this CPU multiplies bfloat16 natively (oneDNN's bfloat16 kernels: AVX512-BF16, AMX)."""
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)

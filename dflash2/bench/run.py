@@ -15,7 +15,7 @@ from ..batch import left_pad
 from ..checks import from_pretrained
 from ..drafter import DFlash2Drafter
 from ..train.data import render
-from .config import DTYPES, SETTINGS, BenchConfig
+from .config import DTYPES, SETTINGS, BenchConfig, num_tables
 from .machine import LoadMonitor
 from .methods import Method, Run, make_batch_methods, make_methods, merge_engine, resolve, run_engine
 from .prompts import PromptSet, load_prompt_set
@@ -139,7 +139,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     rows, tables, whole = [], [], LoadMonitor(server_cpu=lambda: sum(servers_cpu))
     template = ", chat template" + ("" if cfg.enable_thinking is None else f", enable_thinking={cfg.enable_thinking}")
     sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
-    n_tables = len(sets) * len(cfg.block_sizes) * len(cfg.concurrency) * len(cfg.settings)
+    n_tables = num_tables(cfg)
     for dataset, prompts in sets.items():
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:

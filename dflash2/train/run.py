@@ -172,6 +172,15 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
+def _rank() -> int:
+    """This process's rank under torchrun or --nproc-per-node (0 alone)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def _stderr(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
@@ -377,8 +386,7 @@ class Run:
         from transformers import AutoModelForCausalLM
 
         self.cfg, self.log = cfg, log
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
+        self.world, self.rank = _world(), _rank()
         self.distributed = self.world > 1
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
@@ -721,18 +729,18 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         out = train(cfg, stop_after=args.stop_after)
     except Interrupted as stop:
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # a worker stopped as asked: its launcher's signal changes nothing
+        if _world() > 1:  # a worker stopped as asked: its launcher's signal changes nothing
             for sig in (signal.SIGINT, signal.SIGTERM):
                 signal.signal(sig, signal.SIG_IGN)
         detail = str(stop) if str(stop) != signal.Signals(stop.signum).name else (
             f"{signal.Signals(stop.signum).name}: stopped before the first training step; the same command resumes")
-        if int(os.environ.get("RANK", "0")) == 0:  # one line for the whole run, not one per process
+        if _rank() == 0:  # one line for the whole run, not one per process
             print(f"interrupted by {detail}", file=sys.stderr)
         return 128 + stop.signum
     except (ValueError, TypeError, OSError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) != 0:  # one report for the whole run
+    if _rank() != 0:  # one report for the whole run
         return 0
     print(f"run directory: {out}")
     final = out / "final"
