@@ -18,7 +18,7 @@ from typing import Any
 CONV_KINDS = ("two_tap", "none")  # the built-in ones; dflash2.register_conv adds more
 LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
-SELECTOR_KINDS = ("walk", "viterbi", "argmax")  # the built-in ones; dflash2.register_selector adds more
+SELECTOR_KINDS = ("walk", "viterbi", "argmax", "dspark", "lilicorr")  # the built-in ones; dflash2.register_selector adds more
 
 
 @dataclass
@@ -65,7 +65,18 @@ class DFlash2Config:
     # -- candidate heads and path selector (DFlash 2) --------------------------------------------
     selector: str = "walk"  # walk, viterbi, argmax, or a name given to dflash2.register_selector / "module:Name"
     selector_top_k: int = 16
-    selector_rank: int = 256
+    selector_rank: int = 256  # r of the codebooks; DSpark's markov_rank
+    # -- DSpark (selector: dspark): a Markov head over the candidates, and a confidence head -----
+    confidence_head: bool = False  # c_t = P(token t accepted | the tokens before it were), in Draft.confidence
+    confidence_with_markov: bool = False  # the head also reads the Markov embedding of the token before t
+    # -- LiLiCorr (selector: lilicorr): a transformer over the B×K lattice (its published keys) ---
+    lilicorr_hidden_size: int | None = None  # width of the lattice transformer (None: hidden_size)
+    lilicorr_num_layers: int = 2
+    lilicorr_num_heads: int = 4
+    lilicorr_mlp_ratio: float = 2.0
+    lilicorr_factor_dim: int = 64  # width of the outgoing / incoming unit vectors
+    lilicorr_vector_eps: float = 1e-6
+    lilicorr_logit_scale: float = 10.0  # λ: transition scores are λ × cosine
     # -- draft vocabulary (FR-Spec style) --------------------------------------------------------
     draft_vocab_size: int | None = None  # the LM head drafts among this many token ids only (the drafter's
     #                                     `draft_vocab` buffer, e.g. a corpus's most frequent tokens); the
@@ -120,6 +131,27 @@ class DFlash2Config:
         SELECTORS.factory(self.selector)
         _check(self.selector_top_k <= self.vocab_size,
                f"selector_top_k {self.selector_top_k} exceeds vocab_size {self.vocab_size}")
+        for name in ("confidence_head", "confidence_with_markov"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        _check(not self.confidence_head or self.selector == "dspark",
+               f"confidence_head is DSpark's (selector: dspark), not {self.selector!r}'s")
+        _check(not self.confidence_with_markov or self.confidence_head, "confidence_with_markov needs confidence_head: true")
+        if self.selector == "lilicorr":
+            K, width = self.selector_top_k, self.lilicorr_hidden_size or self.hidden_size
+            _check(K <= 16 and K & (K - 1) == 0, f"LiLiCorr's selector_top_k must be a power of two <= 16 (as vLLM "
+                                                 f"requires), got {K}")
+            for name in ("lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_factor_dim"):
+                value = getattr(self, name)
+                _check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                       f"{name} must be a positive integer, got {value!r}")
+            _check(width % self.lilicorr_num_heads == 0,
+                   f"LiLiCorr's width {width} is not divisible by lilicorr_num_heads {self.lilicorr_num_heads}")
+            for name in ("lilicorr_mlp_ratio", "lilicorr_vector_eps", "lilicorr_logit_scale"):
+                value = getattr(self, name)
+                _check(isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0,
+                       f"{name} must be a positive number, got {value!r}")
+            _check(self.draft_vocab_size is None, "LiLiCorr reads the candidates' log-probabilities over the whole "
+                                                  "vocabulary: no draft vocabulary (vLLM refuses one too)")
         _check(isinstance(self.attention_sink_bias, bool), f"attention_sink_bias must be true or false, got "
                                                            f"{self.attention_sink_bias!r}")
         _check(isinstance(self.rope_interleaved, bool), f"rope_interleaved must be true or false, got {self.rope_interleaved!r}")

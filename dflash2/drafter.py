@@ -26,7 +26,7 @@ from . import reference_format
 from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
-from .heads import CandidateHead, Candidates
+from .heads import CandidateHead, Candidates, RoundContext
 from .layers import allow_recompiles, announced_first_call
 from .rng import RandomSource
 from .selector import build_selector
@@ -43,7 +43,8 @@ CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 class RoundScores(NamedTuple):
     """One drafting round at batch 1 (`DFlash2Drafter.draft_round`): the grown context K/V (per layer
     [1, kv, C, hd]), the L draft positions' hidden states [L, H], their top-K candidates (ids, U
-    [L, K]) and the selector's lattice scores (first [K], steps [L-1, K, K]; None when not asked)."""
+    [L, K]) and the selector's lattice scores (first [K], steps [L-1, K, K]; None when not asked); for a
+    selector that reads the round's context, that context (a RoundContext)."""
 
     keys: list[Tensor]
     values: list[Tensor]
@@ -51,6 +52,7 @@ class RoundScores(NamedTuple):
     cands: Candidates | None
     first: Tensor | None
     steps: Tensor | None
+    context: RoundContext | None = None
 ARCHITECTURE = "DFlash2Drafter"
 
 
@@ -297,7 +299,7 @@ class DFlash2Drafter(nn.Module):
             self.backbone.extend_context(cache, new_features)
             return Draft(torch.zeros(0, dtype=torch.long, device=new_features.device))
         s = self.draft_round(cache, anchor, new_features, target, lattice=False)
-        return self.candidate_selector(s.cands, s.hidden, anchor, temperature, rng)
+        return self.candidate_selector(s.cands, s.hidden, anchor, temperature, rng, **self._reads(s.context))
 
     @torch.no_grad()
     def propose_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor],
@@ -308,11 +310,12 @@ class DFlash2Drafter(nn.Module):
         self.backbone.extend_batch(context, new_features, self.config.block_size)
         if L == 0:
             return [Draft(torch.zeros(0, dtype=torch.long, device=f.device)) for f in new_features]
-        hidden, cands = self._candidates_batch(context, anchors, target, L)
+        hidden, cands, ctx = self._candidates_batch(context, anchors, target, L, new_features)
         selector = self.candidate_selector
         if temperature == 0:  # deterministic: all rows at once
-            return selector.select_batch(cands, hidden, anchors)
-        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng)
+            return selector.select_batch(cands, hidden, anchors, **self._reads(ctx))
+        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng,
+                         **self._reads(None if ctx is None else RoundContext(*(t[r] for t in ctx))))
                 for r in range(len(anchors))]
 
     @torch.no_grad()
@@ -338,8 +341,8 @@ class DFlash2Drafter(nn.Module):
         L = max(depths)
         if L <= 0:
             return [TokenTree.empty(f.device) for f in new_features]
-        hidden, cands = self._candidates_batch(context, anchors, target, L)  # [R, L, H], [R, L, K]
-        first, steps = self.candidate_selector.lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
+        hidden, cands, ctx = self._candidates_batch(context, anchors, target, L, new_features)  # [R, L, H], [R, L, K]
+        first, steps = self.candidate_selector.lattice(cands, hidden, anchors, **self._reads(ctx))  # [R, K], [R, L-1, K, K]
         return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
 
@@ -376,10 +379,16 @@ class DFlash2Drafter(nn.Module):
                         torch.arange(length - kept, length + B, device=device),  # the context it sees, the block
                         target.head_weights(dtype, self.draft_vocab), torch.tensor(anchor, device=device), lattice)
         cache.keys, cache.values, cache.length = s.keys, s.values, length
-        if s.cands is None:  # a head with its own forward: candidates and lattice outside the graph
-            cands = self.draft_candidates(s.hidden, target)
-            first, steps = self.candidate_selector.lattice(cands, s.hidden, anchor) if lattice else (None, None)
-            return s._replace(cands=cands, first=first, steps=steps)
+        reads = self.candidate_selector.reads_context
+        if s.cands is None:  # a head with its own forward, or a selector that reads the round's context:
+            if reads:  # candidates and lattice outside the graph
+                cands, log_z = self.draft_candidates(s.hidden, target, with_log_z=True)
+                ctx = self.round_context(cands, log_z, new_features[0, -1], target)
+            else:
+                cands, ctx = self.draft_candidates(s.hidden, target), None
+            first, steps = self.candidate_selector.lattice(cands, s.hidden, anchor, **self._reads(ctx)) if lattice \
+                else (None, None)
+            return s._replace(cands=cands, first=first, steps=steps, context=ctx)
         return s
 
     def _round(self, keys: list[Tensor], values: list[Tensor], features: Tensor, feature_positions: Tensor,
@@ -399,19 +408,21 @@ class DFlash2Drafter(nn.Module):
                            [v[:, :, v.shape[2] - min(v.shape[2], window):] for v in values]
         L = self.config.num_draft_positions
         hidden = self.backbone(x, positions, list(zip(keys, values)), rows=L + 1, key_positions=key_positions)[0, 1:]
-        if head is None:
+        if head is None or self.candidate_selector.reads_context:
             return RoundScores(keys, values, hidden, None, None, None)  # [L, H]
         ids, scores = self.candidates(self._finish_logits(F.linear(hidden, *head)))  # [L, K]
         cands = Candidates(ids if self.draft_vocab is None else self.draft_vocab[ids], scores)
         first, steps = self.candidate_selector.lattice(cands, hidden, anchor) if lattice else (None, None)
         return RoundScores(keys, values, hidden, cands, first, steps)
 
-    def _candidates_batch(self, context: ContextBatch, anchors: list[int], target: TargetAdapter,
-                          L: int) -> tuple[Tensor, Candidates]:
+    def _candidates_batch(self, context: ContextBatch, anchors: list[int], target: TargetAdapter, L: int,
+                          new_features: list[Tensor] | None = None) -> tuple[Tensor, Candidates, RoundContext | None]:
         """The first L draft positions of every row's block: hidden [R, L, H], candidates [R, L, K].
         Row r's block sits in the scratch slots after its context (slot = position); each row sees
         its own context (its last `context_window` positions) and its whole block, within each
-        layer's layout (sliding windows and causality are masked by the backbone from positions)."""
+        layer's layout (sliding windows and causality are masked by the backbone from positions).
+        With a selector that reads the round's context, its RoundContext (rows' anchors' states from
+        `new_features`, their last positions); else None."""
         R, B = len(anchors), self.config.block_size
         device = context.keys[0].device
         lengths = torch.tensor(context.lengths, device=device)[:, None]  # [R, 1]
@@ -427,20 +438,40 @@ class DFlash2Drafter(nn.Module):
         x = self.embed_block(ids, target)
         hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
                                slots=slots, key_positions=slot)[:, 1:]  # [R, L, H]
-        return hidden, self.draft_candidates(hidden, target)  # ids, U: [R, L, K]
+        if not self.candidate_selector.reads_context:
+            return hidden, self.draft_candidates(hidden, target), None  # ids, U: [R, L, K]
+        cands, log_z = self.draft_candidates(hidden, target, with_log_z=True)
+        last = torch.cat([f[0, -1:] for f in new_features])  # [R, F]: the position before each anchor
+        return hidden, cands, self.round_context(cands, log_z, last, target)
 
     def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""
         hidden = self.block_hidden(cache, anchor, target, rows=L + 1)[0, 1:]  # [L, H]
         return hidden, self.draft_candidates(hidden, target)  # ids, U: [L, K]
 
-    def draft_candidates(self, hidden: Tensor, target: TargetAdapter) -> Candidates:
+    def draft_candidates(self, hidden: Tensor, target: TargetAdapter, with_log_z: bool = False):
         """hidden [..., H] → the top-K candidates (ids, U [..., K]) of each position: over the whole
-        vocabulary, or over the draft vocabulary (its logits [..., V'], ids mapped back to token ids)."""
+        vocabulary, or over the draft vocabulary (its logits [..., V'], ids mapped back to token ids).
+        with_log_z: (candidates, log Σ exp of each position's logits [...], float32)."""
+        if with_log_z:
+            if self.draft_vocab is not None:
+                raise ValueError("the candidates' log-probabilities need the whole vocabulary: no draft vocabulary")
+            logits = self.draft_logits(hidden, target)
+            return self.candidates(logits), logits.float().logsumexp(-1)
         if self.draft_vocab is None:
             return self.candidates(self.draft_logits(hidden, target))
         ids, scores = self.candidates(self.draft_logits(hidden, target, vocab=self.draft_vocab))
         return Candidates(self.draft_vocab[ids], scores)
+
+    def round_context(self, cands: Candidates, log_z: Tensor, last_features: Tensor, target: TargetAdapter) -> RoundContext:
+        """What a selector that reads the round's context gets: cands [..., L, K], log_z [..., L], the
+        target features of the position before each anchor last_features [..., F] → RoundContext."""
+        dtype = self.backbone.fc.weight.dtype
+        return RoundContext(log_z, self.backbone.fuse(last_features.to(dtype)), target.embed(cands.ids).to(dtype))
+
+    def _reads(self, context: RoundContext | None) -> dict[str, RoundContext]:
+        """The keyword a selector that reads the round's context is called with (none for the others)."""
+        return {"context": context} if self.candidate_selector.reads_context else {}
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
         """block ids [...] → [..., H]: rows of the target's embedding matrix × input_embedding_scale."""

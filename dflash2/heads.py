@@ -15,6 +15,22 @@ class Candidates(NamedTuple):
     scores: Tensor
 
 
+class RoundContext(NamedTuple):
+    """What a selector that declares `reads_context = True` receives as `context=` beside the lattice
+    (LiLiCorr reads all three; a selector that reads none of them leaves reads_context False).
+
+    log_z:        [..., L] log Σ_v exp(logit_v) of each draft position's draft logits: the candidates'
+                  log-probabilities are `cands.scores - log_z[..., None]`;
+    anchor_state: [..., H] the drafter's fused target feature (fc, then hidden_norm) of the position
+                  just before the anchor: the last one the target has verified;
+    embeddings:   [..., L, K, H] the target's input embeddings of the candidates (raw rows, unscaled).
+    """
+
+    log_z: Tensor
+    anchor_state: Tensor
+    embeddings: Tensor
+
+
 class CandidateHead(nn.Module):
     """logits [..., L, V] → Candidates with K = min(top_k, V). No parameters."""
 

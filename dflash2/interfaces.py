@@ -14,8 +14,16 @@ check with isinstance against these runtime-checkable protocols (which test that
 their signatures are the contract below). tests/test_interfaces.py decodes losslessly with a drafter
 written against `Drafter` alone, and with a selector written against `Selector` alone, registered
 by name (`dflash2.register_selector`). The types a selector reads and returns are here too:
-`Candidates` (ids and scores of the top-K per position) and `Draft` (tokens, and at T > 0 the
-candidates and the proposal q they were drawn from).
+`Candidates` (ids and scores of the top-K per position), `RoundContext` (what a selector that
+declares `reads_context` reads beyond them) and `Draft` (tokens, at T > 0 the candidates and the
+proposal q they were drawn from, and a confidence per token where the drafter has one).
+
+Confidence: `Draft.confidence` [L] is the one signal of how likely each drafted token is to survive
+verification: c_t = P(token t accepted | tokens < t accepted), so the chance that the first t tokens
+all survive is Π_{s<=t} c_s. A selector with a confidence head (DSpark's) fills it; a policy that
+decides how many tokens to verify reads it (`dflash2.confidence` turns it into survival curves, and
+estimates it from the lattice's scores where a drafter has no head). The verifier never reads it, so
+no value of it can change what is committed.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from .heads import Candidates
+from .heads import Candidates, RoundContext
 from .rng import RandomSource
 from .tree import TokenTree
 from .verify import Draft
@@ -91,10 +99,12 @@ class Selector(Protocol):
     """A path selector over the candidate lattice: cands [L, K] (ids, unary scores U), hidden [L, H].
 
     Built by `factory(config)` from its registered name. Missing `select_batch` defaults to the rows one
-    by one through `__call__` at T = 0, missing `trains_on_candidates` to False; a missing `lattice` is
+    by one through `__call__` at T = 0, missing `trains_on_candidates` and `reads_context` to False; a missing `lattice` is
     refused when a token tree needs it (`dflash2.selector.complete_selector`)."""
 
-    trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores(prev, hidden, cand)`
+    trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores(prev, hidden, cand)`,
+    #                             or, when the selector has no edge_scores, along the gold path of its `lattice`
+    reads_context: bool  # True: __call__, select_batch and lattice take a keyword `context` (a RoundContext)
 
     def __call__(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
                  rng: RandomSource) -> Draft: ...
@@ -110,4 +120,4 @@ class Selector(Protocol):
         ...
 
 
-__all__ = ["BatchDrafter", "Candidates", "CheckedDrafter", "Draft", "Drafter", "Selector", "TreeDrafter"]
+__all__ = ["BatchDrafter", "Candidates", "CheckedDrafter", "Draft", "Drafter", "RoundContext", "Selector", "TreeDrafter"]

@@ -40,6 +40,7 @@ from .verify import Draft
 
 class ArgmaxSelector(nn.Module):
     trains_on_candidates = False  # no parameters: nothing for the selector loss to train
+    reads_context = False
 
     def __init__(self, config: DFlash2Config | None = None) -> None:
         super().__init__()
@@ -60,10 +61,32 @@ class ArgmaxSelector(nn.Module):
         return cands.scores[..., 0, :], cands.scores[..., 1:, None, :].expand(*cands.scores.shape[:-2], -1, K, K)
 
 
-class CodebookSelector(nn.Module):
-    """Parameters and lattice scores shared by the walk and Viterbi selectors."""
+class PairwiseSelector(nn.Module):
+    """A lattice of unary plus pairwise scores, S_t(a, b) = U_t(b) + edge_scores(a, h_t, b): the
+    codebook selectors' and DSpark's Markov head's. Subclasses give `edge_scores`."""
 
     trains_on_candidates = True  # the training loss scores the top-K candidates with `edge_scores`
+    reads_context = False
+
+    def edge_scores(self, prev: Tensor, hidden: Tensor, cand: Tensor) -> Tensor:
+        """Pairwise term: prev [..., P] ids, hidden [..., H], cand [..., K] ids → [..., P, K]."""
+        raise NotImplementedError
+
+    def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
+        """cands [..., L, K], hidden [..., L, H], anchor int (or ids [...]) → first [..., K] (from the
+        anchor), steps [..., L-1, K, K].
+
+        Score of the path (k_0..k_{L-1}) = first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]; unaries included.
+        """
+        U = cands.scores.to(torch.promote_types(hidden.dtype, torch.float32))
+        anchor_ids = torch.as_tensor(anchor, device=cands.ids.device).reshape(*cands.ids.shape[:-2], 1)
+        first = U[..., 0, :] + self.edge_scores(anchor_ids, hidden[..., 0, :], cands.ids[..., 0, :])[..., 0, :]
+        steps = U[..., 1:, None, :] + self.edge_scores(cands.ids[..., :-1, :], hidden[..., 1:, :], cands.ids[..., 1:, :])
+        return first, steps
+
+
+class CodebookSelector(PairwiseSelector):
+    """Parameters and lattice scores shared by the walk and Viterbi selectors."""
 
     def __init__(self, config: DFlash2Config) -> None:
         super().__init__()
@@ -80,51 +103,52 @@ class CodebookSelector(nn.Module):
         a = self.predecessor_codebook[prev].to(dtype) * projected.to(dtype).unsqueeze(-2)  # [..., P, r]
         return a @ self.successor_codebook[cand].to(dtype).transpose(-1, -2)  # [..., P, K]
 
-    def lattice(self, cands: Candidates, hidden: Tensor, anchor) -> tuple[Tensor, Tensor]:
-        """cands [..., L, K], hidden [..., L, H], anchor int (or ids [...]) → first [..., K] (from the
-        anchor), steps [..., L-1, K, K].
 
-        Score of the path (k_0..k_{L-1}) = first[k_0] + Σ_t steps[t-1, k_{t-1}, k_t]; unaries included.
-        """
-        U = cands.scores.to(torch.promote_types(hidden.dtype, torch.float32))
-        anchor_ids = torch.as_tensor(anchor, device=cands.ids.device).reshape(*cands.ids.shape[:-2], 1)
-        first = U[..., 0, :] + self.edge_scores(anchor_ids, hidden[..., 0, :], cands.ids[..., 0, :])[..., 0, :]
-        steps = U[..., 1:, None, :] + self.edge_scores(cands.ids[..., :-1, :], hidden[..., 1:, :], cands.ids[..., 1:, :])
-        return first, steps
+def walk(first: Tensor, steps: Tensor, cand_ids: Tensor, temperature: float, rng: RandomSource) -> tuple[Draft, Tensor]:
+    """The published walk over one lattice: first [K], steps [L-1, K, K], cand_ids [L, K] → (Draft,
+    the picked candidate indices [L]). T = 0: the best successor of the current candidate; T > 0: a
+    draw from softmax(scores / T) over the K successors, and that q in the Draft."""
+    L = cand_ids.shape[0]
+    scores, picks, qs = first, [], []
+    for t in range(L):
+        if t > 0:
+            scores = steps[t - 1, picks[-1]]
+        if temperature > 0:
+            q = torch.softmax(scores.double() / temperature, dim=-1)
+            picks.append(rng.categorical(q))
+            qs.append(q)
+        else:
+            picks.append(int(scores.argmax()))
+    index = torch.tensor(picks, dtype=torch.long, device=cand_ids.device)
+    tokens = cand_ids.gather(1, index[:, None])[:, 0]
+    if temperature > 0:
+        return Draft(tokens, cand_ids, torch.stack(qs)), index
+    return Draft(tokens), index
+
+
+def walk_batch(first: Tensor, steps: Tensor, cand_ids: Tensor) -> Tensor:
+    """The greedy (T = 0) walk of R lattices at once: first [R, K], steps [R, L-1, K, K], cand_ids
+    [R, L, K] → the picked candidate indices [R, L]."""
+    R, L, _ = cand_ids.shape
+    pick = first.argmax(-1)  # [R]
+    picks = [pick]
+    rows = torch.arange(R, device=pick.device)
+    for t in range(L - 1):
+        pick = steps[rows, t, pick].argmax(-1)
+        picks.append(pick)
+    return torch.stack(picks, dim=1)  # [R, L]
 
 
 class WalkSelector(CodebookSelector):
     def forward(self, cands: Candidates, hidden: Tensor, anchor: int, temperature: float,
                 rng: RandomSource) -> Draft:
         first, steps = self.lattice(cands, hidden, anchor)
-        L = cands.ids.shape[0]
-        scores, picks, qs = first, [], []
-        for t in range(L):
-            if t > 0:
-                scores = steps[t - 1, picks[-1]]
-            if temperature > 0:
-                q = torch.softmax(scores.double() / temperature, dim=-1)
-                picks.append(rng.categorical(q))
-                qs.append(q)
-            else:
-                picks.append(int(scores.argmax()))
-        index = torch.tensor(picks, dtype=torch.long, device=cands.ids.device)
-        tokens = cands.ids.gather(1, index[:, None])[:, 0]
-        if temperature > 0:
-            return Draft(tokens, cands.ids, torch.stack(qs))
-        return Draft(tokens)
+        return walk(first, steps, cands.ids, temperature, rng)[0]
 
     def select_batch(self, cands: Candidates, hidden: Tensor, anchors: list[int]) -> list[Draft]:
         """The greedy (T=0) walk of R rows at once: cands [R, L, K], hidden [R, L, H]."""
-        R, L, K = cands.ids.shape
         first, steps = self.lattice(cands, hidden, anchors)  # [R, K], [R, L-1, K, K]
-        pick = first.argmax(-1)  # [R]
-        picks = [pick]
-        rows = torch.arange(R, device=pick.device)
-        for t in range(L - 1):
-            pick = steps[rows, t, pick].argmax(-1)
-            picks.append(pick)
-        index = torch.stack(picks, dim=1)  # [R, L]
+        index = walk_batch(first, steps, cands.ids)  # [R, L]
         return [Draft(row) for row in cands.ids.gather(2, index[..., None])[..., 0]]
 
 
@@ -154,7 +178,11 @@ def viterbi_path(first: Tensor, steps: Tensor) -> Tensor:
     return torch.tensor(path[::-1], dtype=torch.long, device=first.device)
 
 
-for _name, _kind in (("argmax", ArgmaxSelector), ("walk", WalkSelector), ("viterbi", ViterbiSelector)):
+from .dspark import DSparkSelector  # noqa: E402 (they build on the classes above)
+from .lilicorr import LiLiCorrSelector  # noqa: E402
+
+for _name, _kind in (("argmax", ArgmaxSelector), ("walk", WalkSelector), ("viterbi", ViterbiSelector),
+                     ("dspark", DSparkSelector), ("lilicorr", LiLiCorrSelector)):
     register_selector(_name, _kind)
 BUILTIN = ("walk", "viterbi", "argmax")  # the selectors the published checkpoint format has
 
@@ -174,12 +202,14 @@ def complete_selector(selector, name: str):
         raise TypeError(f"{what} is not callable: a selector's __call__(cands, hidden, anchor, temperature, rng) -> "
                         "Draft gives the path of one sequence at any temperature (dflash2.interfaces.Selector; cands "
                         "is a dflash2.interfaces.Candidates: ids and scores [L, K])")
-    if not hasattr(selector, "trains_on_candidates"):
-        selector.trains_on_candidates = False
-    if selector.trains_on_candidates and not callable(getattr(selector, "edge_scores", None)):
+    for member in ("trains_on_candidates", "reads_context"):
+        if not hasattr(selector, member):
+            setattr(selector, member, False)
+    if selector.trains_on_candidates and not any(callable(getattr(selector, m, None)) for m in ("edge_scores", "lattice")):
         raise TypeError(f"{what} has trains_on_candidates = True but no edge_scores(prev [..., P], hidden [..., H], "
-                        "cand [..., K]) -> [..., P, K]: the pairwise scores the training loss adds to the unary ones; "
-                        "add it, or set trains_on_candidates = False")
+                        "cand [..., K]) -> [..., P, K]: the pairwise scores the training loss adds to the unary ones "
+                        "(or a lattice, which the loss then follows along the gold path); add one, or set "
+                        "trains_on_candidates = False")
     if not callable(getattr(selector, "select_batch", None)):
         selector.select_batch = MethodType(_rowwise_select_batch, selector)
     if not callable(getattr(selector, "lattice", None)):

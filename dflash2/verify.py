@@ -31,18 +31,23 @@ class Draft(NamedTuple):
     q_probs: [L, K] float or None, the sampling distribution over q_ids (rows sum to 1). None means
              the path is deterministic given the context (q one-hot), which is what argmax, Viterbi
              and the walk at T=0 produce.
+    confidence: [L] float in [0, 1] or None, the drafter's estimate for each token that the verifier
+             accepts it given that every token before it was accepted (a confidence head's output,
+             e.g. DSpark's); None: no estimate. Read by policies that size verification; never by the
+             verifier, so it cannot change what is committed (dflash2.interfaces, "Confidence").
     """
 
     tokens: Tensor
     q_ids: Tensor | None = None
     q_probs: Tensor | None = None
+    confidence: Tensor | None = None
 
     def truncate(self, length: int) -> "Draft":
         length = max(length, 0)
         if length >= self.tokens.shape[0]:
             return self
         cut = (lambda t: None if t is None else t[:length])
-        return Draft(self.tokens[:length], cut(self.q_ids), cut(self.q_probs))
+        return Draft(self.tokens[:length], cut(self.q_ids), cut(self.q_probs), cut(self.confidence))
 
     @property
     def stochastic(self) -> bool:

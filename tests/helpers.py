@@ -117,7 +117,19 @@ def tiny_drafter(arch: str = "qwen3", block_size: int = 4, *, seed: int = 0, voc
     torch.manual_seed(seed)
     d = DFlash2Drafter.from_target(tiny_target(arch, vocab=vocab, seed=target_seed), block_size=block_size, **fields)
     if pairwise_std > 0:
-        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=pairwise_std)
+        perturb_selector(d, pairwise_std)
+    return d
+
+
+def perturb_selector(d, std: float):
+    """Draw the selector's pairwise term from N(0, std²) (the codebook selectors' projection P, DSpark's
+    Markov projection W2; both start at zero), so that its choices depend on their predecessors.
+    LiLiCorr's random init already does; argmax has none."""
+    sel = d.candidate_selector
+    if d.config.selector == "dspark":
+        torch.nn.init.normal_(sel.markov_head.markov_w2.weight, std=std)
+    elif hasattr(sel, "hidden_projection"):
+        torch.nn.init.normal_(sel.hidden_projection.weight, std=std)
     return d
 
 

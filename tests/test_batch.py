@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
 from dflash2.batch import left_pad
 from dflash2.sampling import process_logits
-from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
+from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, perturb_selector, VOCAB, enumerate_outcomes, exact_ar_distribution,
                            hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, tiny_drafter,
                            tiny_target)
 
@@ -195,7 +195,7 @@ def test_batches_refused_on_hybrid_targets():
         ar_generate_batch(hybrid, torch.tensor([[1, 2]]), max_new_tokens=2)
 
 
-@pytest.mark.parametrize("selector", ["argmax", "walk", "viterbi"])
+@pytest.mark.parametrize("selector", ["argmax", "walk", "viterbi", "dspark", "lilicorr"])
 def test_propose_batch_equals_propose_per_row(selector):
     """The drafter's batched pass (the rows' contexts in one ContextBatch, masked) drafts what each row drafts alone."""
     from dflash2 import TorchRandom
@@ -204,9 +204,9 @@ def test_propose_batch_equals_propose_per_row(selector):
     target = tiny_target("llama")
     torch.manual_seed(5)
     d = DFlash2Drafter.from_target(target, block_size=6, selector=selector, selector_top_k=4, selector_rank=8,
-                                   mask_token_id=VOCAB - 1, num_layers=2, context_window=7)
-    if selector != "argmax":
-        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+                                   mask_token_id=VOCAB - 1, num_layers=2, context_window=7,
+                                   confidence_head=selector == "dspark")
+    perturb_selector(d, 2.0)
     adapter = TargetAdapter(target, d.target_layer_ids)
     prompts = [[5, 9, 2, 7, 1, 1, 3, 4, 8, 2], [1], [3, 3, 8]]
     feats = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in prompts]
@@ -225,6 +225,9 @@ def test_propose_batch_equals_propose_per_row(selector):
             assert a.tokens.tolist() == b.tokens.tolist(), (selector, temperature, r)
             if a.q_probs is not None:
                 assert torch.allclose(a.q_probs, b.q_probs, atol=1e-10)
+            assert (a.confidence is None) == (b.confidence is None) == (selector != "dspark")
+            if a.confidence is not None:
+                assert torch.allclose(a.confidence, b.confidence, atol=1e-6)
 
 
 # -- token trees in a batch ------------------------------------------------------------------------------
@@ -293,7 +296,7 @@ def test_batched_trees_accept_past_their_first_path():
         assert t.tau > p.tau, (t.tau, p.tau)
 
 
-@pytest.mark.parametrize("selector", ["argmax", "walk"])
+@pytest.mark.parametrize("selector", ["argmax", "walk", "dspark", "lilicorr"])
 def test_propose_tree_batch_equals_propose_tree_per_row(selector):
     """The drafter's batched tree pass builds, per row, the tree that row builds alone, down to each
     row's own depth limit."""
@@ -301,10 +304,9 @@ def test_propose_tree_batch_equals_propose_tree_per_row(selector):
 
     target = tiny_target("llama")
     torch.manual_seed(5)
-    d = DFlash2Drafter.from_target(target, block_size=6, selector=selector, selector_top_k=3, selector_rank=8,
-                                   mask_token_id=VOCAB - 1, num_layers=2)
-    if selector != "argmax":
-        torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=2.0)
+    d = DFlash2Drafter.from_target(target, block_size=6, selector=selector, selector_top_k=4 if selector == "lilicorr" else 3,
+                                   selector_rank=8, mask_token_id=VOCAB - 1, num_layers=2)
+    perturb_selector(d, 2.0)
     adapter = TargetAdapter(target, d.target_layer_ids)
     prompts = [[5, 9, 2, 7, 1, 1, 3, 4, 8, 2], [1], [3, 3, 8]]
     feats = [adapter.forward(torch.tensor([p]), adapter.new_cache()).features for p in prompts]

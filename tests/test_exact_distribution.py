@@ -31,10 +31,11 @@ def target():
     return tiny_target("qwen3", vocab=V, seed=3)
 
 
-def dflash(selector: str, top_k: int = 2) -> DFlash2Drafter:
+def dflash(selector: str, top_k: int = 2, conv: str = "two_tap") -> DFlash2Drafter:
     # a non-trivial pairwise term, so the walk's q depends on its path
     return tiny_drafter("qwen3", BLOCK, seed=11, vocab=V, target_seed=3, pairwise_std=3.0 if selector != "argmax" else 0.0,
-                        selector=selector, selector_top_k=top_k, selector_rank=4, mask_token_id=V - 1)
+                        selector=selector, selector_top_k=top_k, selector_rank=4, mask_token_id=V - 1, conv=conv,
+                        lilicorr_num_layers=1, lilicorr_factor_dim=8, confidence_head=selector == "dspark")
 
 
 def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None):
@@ -69,6 +70,9 @@ DRAFTERS = {
     "viterbi": lambda: dflash("viterbi"),
     "sampled_walk_sparse_q": lambda: dflash("walk", top_k=2),
     "sampled_walk_full_q": lambda: dflash("walk", top_k=V),
+    "sampled_dspark": lambda: dflash("dspark", conv="none"),
+    "sampled_lilicorr_v1": lambda: dflash("lilicorr", conv="none"),
+    "sampled_lilicorr_v2": lambda: dflash("lilicorr"),
 }
 
 

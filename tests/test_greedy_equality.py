@@ -14,13 +14,14 @@ from dflash2 import DFlash2Drafter, ar_generate, spec_generate
 from tests.helpers import (ARCHITECTURES, MASK, VOCAB, constant_drafter, eos_spammer, hf_greedy, oracle_drafter,
                            random_drafter, tiny_drafter, tiny_target)
 
-DFLASH_VARIANTS = [(conv, sel) for conv in ("two_tap", "none") for sel in ("walk", "viterbi", "argmax")]
+DFLASH_VARIANTS = [(conv, sel) for conv in ("two_tap", "none") for sel in ("walk", "viterbi", "argmax", "dspark", "lilicorr")]
 STUBS = ("constant", "random", "oracle", "oracle_partial", "eos_spammer", "dflash_draft_len")
 
 
 def dflash_drafter(arch: str, block_size: int, conv: str, selector: str, mask: int = MASK) -> DFlash2Drafter:
     return tiny_drafter(arch, block_size, seed=block_size, conv=conv, selector=selector, selector_top_k=4,
-                        selector_rank=8, mask_token_id=mask, num_layers=2)
+                        selector_rank=8, mask_token_id=mask, num_layers=2, pairwise_std=1.0 if selector == "dspark" else 0.0,
+                        lilicorr_num_layers=1, lilicorr_factor_dim=8, confidence_head=selector == "dspark")
 
 
 def make_drafter(kind, arch, block_size, reference, stop):

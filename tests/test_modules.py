@@ -368,7 +368,7 @@ def test_context_batch_follows_each_row_across_rounds(window):
         assert context.lengths == [c.length for c in rows]
         capacities.add(context.keys[0].shape[2])
         anchors = [int(a) for a in torch.randint(0, MASK, (len(rows),), generator=g)]
-        hidden, cands = d._candidates_batch(context, anchors, adapter, 3)
+        hidden, cands, _ = d._candidates_batch(context, anchors, adapter, 3)
         for i, (cache, anchor) in enumerate(zip(rows, anchors)):
             alone_hidden, alone = d._candidates(cache, anchor, adapter, 3)
             torch.testing.assert_close(hidden[i], alone_hidden, rtol=0, atol=1e-10)

@@ -235,7 +235,7 @@ def test_vllms_attention_fields_hold_in_batches_in_training_and_stay_lossless(tm
         lengths = [a + n for a, n in zip(lengths, step)]
         with torch.no_grad():
             drafter.propose_batch(context, [5, 17], news, adapter, 0.0, None)
-            hidden, _ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
+            hidden, *_ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
         for r, anchor in enumerate([5, 17]):
             want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)
             torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
@@ -319,7 +319,7 @@ def test_batched_drafting_follows_the_published_semantics(tmp_path, layout):
         anchors = [5, 17, 30]
         with torch.no_grad():
             drafts = drafter.propose_batch(context, anchors, news, adapter, 0.0, None)
-            hidden, _ = drafter._candidates_batch(context, anchors, adapter, B - 1)
+            hidden, *_ = drafter._candidates_batch(context, anchors, adapter, B - 1)
         for r, anchor in enumerate(anchors):
             embedding = target.get_input_embeddings().weight.detach()
             want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)

@@ -11,15 +11,17 @@ from dflash2 import DFlash2Drafter, TargetAdapter
 from dflash2.train.forward import block_mask, drafter_losses, masked_block_forward, sample_anchors
 from tests.helpers import MASK, tiny_target
 
-VARIANTS = [("two_tap", "walk", None), ("none", "argmax", None), ("two_tap", "viterbi", 6)]
+VARIANTS = [("two_tap", "walk", None), ("none", "argmax", None), ("two_tap", "viterbi", 6), ("none", "dspark", None),
+            ("two_tap", "lilicorr", None), ("none", "lilicorr", 6)]
 REFERENCE_OPTIONS = dict(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=3.0)
 
 
 def trained_looking_drafter(target, conv, selector, window, B=5, **options):
     torch.manual_seed(0)
+    options = {"confidence_head": True, "confidence_with_markov": True, **options} if selector == "dspark" else options
     d = DFlash2Drafter.from_target(target, block_size=B, conv=conv, selector=selector, selector_top_k=4,
                                    selector_rank=8, mask_token_id=MASK, context_window=window, num_layers=2,
-                                   **options)
+                                   lilicorr_num_layers=1, lilicorr_factor_dim=8, **options)
     with torch.no_grad():  # away from the identity init, so the conv's causality matters
         for p in d.parameters():
             p.add_(torch.randn_like(p) * 0.1)
@@ -51,6 +53,76 @@ def test_training_forward_equals_inference_forward(conv, selector, window, optio
                 torch.testing.assert_close(out.logits[n, j], want, rtol=0, atol=1e-10)
                 assert out.labels[n, j].tolist() == ids[n, a + 1:a + 5].tolist()
                 assert out.prev[n, j].tolist() == ids[n, a:a + 4].tolist()
+
+
+@pytest.mark.parametrize("conv, selector, window", [v for v in VARIANTS if v[1] in ("dspark", "lilicorr", "walk")])
+def test_training_lattice_equals_inference_lattice(conv, selector, window):
+    """The selector loss scores, along a gold path, what the inference round's lattice scores: the same
+    first row from the anchor (for LiLiCorr: the same anchor state, the feature before the anchor, the
+    same log-probabilities and embeddings) and the same successor rows."""
+    target = tiny_target("qwen3")
+    d = trained_looking_drafter(target, conv, selector, window)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, MASK, (1, 24), generator=g)
+    with torch.no_grad():
+        feats = adapter.forward(ids, adapter.new_cache()).features
+        anchors = torch.tensor([[3, 11, 18]])
+        out = training.masked_block_forward(d, adapter, ids, feats, anchors)
+        for j, a in enumerate(anchors[0].tolist()):
+            s = d.draft_round(d.new_cache(), int(ids[0, a]), feats[:, :a], adapter)
+            L, K = s.cands.ids.shape
+            gold = torch.randint(0, K, (1, 1, L), generator=g)
+            _, log_z = d.draft_candidates(out.hidden[0, j], adapter, with_log_z=True)
+            sub = out._replace(hidden=out.hidden[:, j:j + 1], prev=out.prev[:, j:j + 1],
+                               anchor_state=out.anchor_state[:, j:j + 1])
+            cands = training.Candidates(s.cands.ids[None, None], s.cands.scores[None, None])
+            got = training.gold_path_scores(d, adapter, sub, cands, log_z[None, None], gold)[0, 0]  # [L, K]
+            torch.testing.assert_close(got[0], s.first, rtol=0, atol=1e-9)
+            for t in range(1, L):
+                torch.testing.assert_close(got[t], s.steps[t - 1, gold[0, 0, t - 1]], rtol=0, atol=1e-9)
+
+
+def test_lattice_agreement_catches_the_anchor_state_of_the_anchor_itself(monkeypatch):
+    """Mutant: the anchor state from the anchor's own position (not the one before it) must disagree."""
+    real = training.masked_block_forward
+
+    def shifted(drafter, target, ids, features, anchors, **kw):
+        return real(drafter, target, ids, torch.cat([features[:, 1:], features[:, -1:]], 1), anchors, **kw)._replace(
+            hidden=real(drafter, target, ids, features, anchors, **kw).hidden)
+
+    monkeypatch.setattr(training, "masked_block_forward", shifted)
+    with pytest.raises(AssertionError):
+        test_training_lattice_equals_inference_lattice("none", "lilicorr", None)
+
+
+@pytest.mark.parametrize("selector", ["dspark", "lilicorr"])
+def test_dspark_and_lilicorr_losses_train_their_heads(selector):
+    target = tiny_target("qwen3")
+    target.requires_grad_(False)
+    d = trained_looking_drafter(target, "none", selector, None)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    ids = torch.randint(0, MASK, (2, 30), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        feats = torch.cat([adapter.forward(ids[i:i + 1], adapter.new_cache()).features for i in range(2)])
+    anchors = sample_anchors(2, 30, 5, 4, torch.Generator().manual_seed(0))
+    for beta in (0.0, 0.5):
+        d.zero_grad()
+        out = masked_block_forward(d, adapter, ids, feats, anchors, logits=False)
+        losses = drafter_losses(d, adapter, out, gamma=4.0, selector_alpha=0.5, confidence_alpha=beta)
+        losses.total.backward()
+        grads = {n: p.grad for n, p in d.named_parameters()}
+        assert losses.selector > 0
+        sel = {n: g for n, g in grads.items() if n.startswith("candidate_selector.") and "confidence_head" not in n}
+        assert sel and all(g is not None and torch.isfinite(g).all() for g in sel.values())
+        assert sum(float(g.abs().sum()) for g in sel.values()) > 0
+        if selector == "dspark":
+            head = grads["candidate_selector.confidence_head.proj.weight"]
+            assert (head is not None and head.abs().sum() > 0) == (beta > 0)
+            if beta > 0:
+                assert 0 < losses.metrics["confidence_loss"] and len(losses.metrics["confidence_by_pos"]) == 4
+        else:
+            assert losses.confidence is None
 
 
 def test_agreement_test_catches_the_anchor_leak(monkeypatch):

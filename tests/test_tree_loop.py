@@ -22,7 +22,7 @@ from dflash2 import DFlash2Drafter, SamplingParams, TargetAdapter, spec_generate
 from dflash2.sampling import process_logits
 from dflash2.tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
 from dflash2.verify import verify_deterministic
-from tests.helpers import (ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, TreeStubDrafter, enumerate_outcomes,
+from tests.helpers import (ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, TreeStubDrafter, enumerate_outcomes, perturb_selector,
                            exact_ar_distribution, hf_greedy, max_abs_diff, needs_hybrid_transformers,
                            oracle_tree_drafter, tiny_target)
 
@@ -214,16 +214,16 @@ def stub_tree(widths: tuple[int, ...]) -> TreeStubDrafter:
     return TreeStubDrafter(len(widths) + 1, fn)
 
 
-def lattice_drafter() -> DFlash2Drafter:
+def lattice_drafter(selector: str = "walk") -> DFlash2Drafter:
     torch.manual_seed(11)
-    d = DFlash2Drafter.from_target(small_target(), block_size=3, selector="walk", selector_top_k=2, selector_rank=4,
-                                   mask_token_id=V - 1)
-    torch.nn.init.normal_(d.candidate_selector.hidden_projection.weight, std=3.0)
-    return d
+    d = DFlash2Drafter.from_target(small_target(), block_size=3, selector=selector, selector_top_k=2, selector_rank=4,
+                                   mask_token_id=V - 1, lilicorr_num_layers=1, lilicorr_factor_dim=8)
+    return perturb_selector(d, 3.0)
 
 
 DRAFTERS = {"chain_3": lambda: stub_tree((1, 1, 1)), "width_3": lambda: stub_tree((3,)),
-            "2x2": lambda: stub_tree((2, 2)), "3x2x1": lambda: stub_tree((3, 2, 1)), "lattice_k2": lattice_drafter}
+            "2x2": lambda: stub_tree((2, 2)), "3x2x1": lambda: stub_tree((3, 2, 1)), "lattice_k2": lattice_drafter,
+            "lattice_k2_dspark": lambda: lattice_drafter("dspark"), "lattice_k2_lilicorr": lambda: lattice_drafter("lilicorr")}
 PARAMS = {"T1": SamplingParams(1.0), "T0.7_topk2": SamplingParams(0.7, top_k=2), "T1.3_topp0.8": SamplingParams(1.3, top_p=0.8)}
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..drafter import DFlash2Drafter
+from ..heads import Candidates, RoundContext
 from ..target.adapter import TargetAdapter
 
 
@@ -32,13 +33,16 @@ class BlockOutputs(NamedTuple):
     """hidden [N, A, L, H] (final-normed); labels [N, A, L]; prev [N, A, L] (the true token before each
     drafted position: the anchor, then the labels shifted by one); weights [N, A, L] (1 where the label
     counts: a real anchor, a label position inside the sequence that `label_mask` allows; else 0);
-    logits [N, A, L, V] when asked for (tests), else None: the loss computes them in chunks."""
+    logits [N, A, L, V] when asked for (tests), else None: the loss computes them in chunks; anchor_state
+    [N, A, H]: the fused target feature of the position before each anchor (what a selector that reads
+    the round's context gets as RoundContext.anchor_state at inference)."""
 
     hidden: Tensor
     labels: Tensor
     prev: Tensor
     weights: Tensor
     logits: Tensor | None = None
+    anchor_state: Tensor | None = None
 
 
 class Losses(NamedTuple):
@@ -46,6 +50,7 @@ class Losses(NamedTuple):
     backbone: Tensor
     selector: Tensor
     metrics: dict[str, float | list[float]]
+    confidence: Tensor | None = None
 
 
 def sample_anchors(N: int, T: int, B: int, A: int, generator: torch.Generator, low: int = 1) -> Tensor:
@@ -138,7 +143,10 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     labels = ids.gather(1, label_pos[:, :, 1:].reshape(N, -1)).view(N, A, B - 1)
     prev = ids.gather(1, label_pos[:, :, :-1].reshape(N, -1)).view(N, A, B - 1)
     weights = label_weights(anchors, B - 1, label_mask, valid)
-    return BlockOutputs(hidden, labels, prev, weights, drafter.draft_logits(hidden, target) if logits else None)
+    before = (anchors - 1)[..., None].expand(-1, -1, features.shape[-1])  # [N, A, F]: the last context position
+    anchor_state = drafter.backbone.fuse(features.gather(1, before).to(drafter.backbone.fc.weight.dtype))
+    return BlockOutputs(hidden, labels, prev, weights, drafter.draft_logits(hidden, target) if logits else None,
+                        anchor_state)
 
 
 def position_weights(L: int, gamma: float | None, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -178,10 +186,18 @@ LOSS_CHUNK_ELEMENTS = 2**24  # logits alive at once in the loss: its memory boun
 
 
 def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOutputs, *, gamma: float | None,
-                   target_hidden: Tensor | None = None, selector_alpha: float = 0.0,
+                   target_hidden: Tensor | None = None, selector_alpha: float = 0.0, confidence_alpha: float = 0.0,
                    denominators: tuple[float, float] | None = None, chunk: int | None = None) -> Losses:
     """Backbone (soft) cross-entropy with position decay, plus α · teacher-forced K-way selector loss,
+    plus β · the confidence head's binary cross-entropy (a selector with one: DSpark's),
     computed `chunk` rows at a time: no [N, A, L, V] tensor (drafter or target side) is ever whole.
+
+    The selector term: a selector with `edge_scores` scores each position's candidates as U + its
+    pairwise term from the true previous token; one without (LiLiCorr) is scored along the gold path of
+    its own `lattice` (first[gold_0], then steps[t-1, gold_{t-1}, ·]), its features the candidates'
+    log-probabilities (not differentiated). The confidence term: the head's c_t against whether that
+    teacher-forced greedy pick is the label (its target is not differentiated; nor is the hidden state
+    it reads, so the head calibrates without moving the backbone).
 
     target_hidden [N, A, L, H_t]: the target's final hidden state at the position before each label
     (soft targets: the target's distribution, from its own LM head, chunk by chunk), or None (hard
@@ -199,12 +215,15 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     t_rows = None if target_hidden is None else target_hidden.reshape(rows.shape[0], -1)
     top1 = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
     cand = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
+    log_z = torch.zeros(rows.shape[0], device=rows.device)  # of the draft logits: the candidates' log-probabilities
 
     def row_loss(h: Tensor, s: slice) -> Tensor:
-        logp = _wide(drafter.draft_logits(h, target)).log_softmax(-1)  # [m, V]
+        logits = _wide(drafter.draft_logits(h, target))
+        logp = logits.log_softmax(-1)  # [m, V]
         with torch.no_grad():
             top1[s] = logp.argmax(-1) == labels[s]
             cand[s] = logp.topk(K, dim=-1).indices
+            log_z[s] = logits.float().logsumexp(-1)
         if t_rows is None:
             return -logp.gather(-1, labels[s, None])[:, 0]
         with torch.no_grad():
@@ -228,21 +247,56 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
         "labels": float(m.sum()),
     }
     selector = torch.zeros((), device=rows.device)
+    confidence = None
     sel = drafter.candidate_selector
     if selector_alpha > 0 and sel.trains_on_candidates:
         # gold in the last slot where the top-K missed it (for the loss only)
         cand = torch.where(covered[..., None], cand, torch.cat([cand[..., :-1], out.labels[..., None]], -1))
         gold = (cand == out.labels[..., None]).float().argmax(-1)  # [N, A, L]
         unary = drafter.candidate_logits(out.hidden, cand, target)  # [N, A, L, K], differentiable in hidden
-        scores = unary + sel.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]  # [N, A, L, K]
+        if callable(getattr(sel, "edge_scores", None)):
+            scores = unary + sel.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]  # [N, A, L, K]
+        else:
+            scores = gold_path_scores(drafter, target, out, Candidates(cand, unary.detach()), log_z.view(N, A, L), gold)
         ce = F.cross_entropy(_wide(scores).reshape(-1, scores.shape[-1]), gold.reshape(-1), reduction="none")
         selector = (ce * m.reshape(-1).to(ce.dtype)).sum() / max(den_s, 1e-12)
         with torch.no_grad():
             picked = scores.argmax(-1) == gold
             metrics["selector_acc"] = float((picked & covered).float().mul(m).sum()) / count
+        head = getattr(sel, "confidence_logits", None)
+        conf_logits = head(out.hidden.detach(), out.prev) if callable(head) else None
+        if confidence_alpha > 0 and conf_logits is not None:
+            hit = (picked & covered).to(conf_logits.dtype)  # the teacher-forced greedy pick is the label
+            bce = F.binary_cross_entropy_with_logits(conf_logits, hit, reduction="none")
+            confidence = (bce * m.to(bce.dtype)).sum() / max(den_s, 1e-12)
+            metrics["confidence_loss"] = float(confidence.detach())
+            with torch.no_grad():
+                predicted = torch.sigmoid(conf_logits)
+                metrics["confidence_by_pos"] = ((predicted * m).sum((0, 1)) / m.sum((0, 1)).clamp_min(1e-12)).tolist()
+                metrics["hit_by_pos"] = ((hit * m).sum((0, 1)) / m.sum((0, 1)).clamp_min(1e-12)).tolist()
     metrics["backbone_loss"] = float(backbone.detach())
     metrics["selector_loss"] = float(selector.detach())
-    return Losses(backbone + selector_alpha * selector, backbone, selector, metrics)
+    total = backbone + selector_alpha * selector
+    if confidence is not None:
+        total = total + confidence_alpha * confidence
+    return Losses(total, backbone, selector, metrics, confidence)
+
+
+def gold_path_scores(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOutputs, cands: Candidates,
+                     log_z: Tensor, gold: Tensor) -> Tensor:
+    """A lattice selector's scores along the gold path, teacher-forced: cands [N, A, L, K] (the gold in
+    them), log_z [N, A, L], gold [N, A, L] indices → [N, A, L, K]: row 0 the lattice's `first`, row t the
+    successors of the gold candidate at t - 1 (steps[t-1, gold_{t-1}, ·])."""
+    sel = drafter.candidate_selector
+    kwargs = {}
+    if sel.reads_context:
+        dtype = drafter.backbone.fc.weight.dtype
+        kwargs["context"] = RoundContext(log_z, out.anchor_state, target.embed(cands.ids).to(dtype))
+    anchors = out.prev[..., 0]  # [N, A]: the token before the first drafted position is the anchor
+    first, steps = sel.lattice(cands, out.hidden, anchors, **kwargs)  # [N, A, K], [N, A, L-1, K, K]
+    K = first.shape[-1]
+    prev = gold[..., :-1, None, None].expand(*gold.shape[:-1], -1, 1, K)  # [N, A, L-1, 1, K]
+    return torch.cat([first[..., None, :], steps.gather(-2, prev)[..., 0, :]], dim=-2)
 
 
 def _wide(x: Tensor) -> Tensor:

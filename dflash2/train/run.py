@@ -96,6 +96,7 @@ class TrainConfig:
     gamma: float | None = None  # position decay; None: 7 for B=16, 4 for B=8, B/2 otherwise
     soft_targets: bool = False
     selector_alpha: float = 0.1
+    confidence_alpha: float = 0.1  # weight of the confidence head's loss (drafters with one: DSpark's)
     seed: int = 0
     ckpt_every: int = 50
     dtype: str = "float32"  # of the drafter's weights (and the target's, unless target_dtype is set)
@@ -114,7 +115,7 @@ class TrainConfig:
                 raise ValueError(f"unknown data keys {unknown}; known: {sorted(f.name for f in dataclasses.fields(DataConfig))}")
             self.data = DataConfig(**self.data)
         # YAML 1.1 reads "6e-4" (no dot) as a string: accept it as the number it means
-        for name in ("lr", "warmup_ratio", "weight_decay", "selector_alpha", "gamma"):
+        for name in ("lr", "warmup_ratio", "weight_decay", "selector_alpha", "confidence_alpha", "gamma"):
             value = getattr(self, name)
             if value is not None:
                 try:
@@ -307,7 +308,8 @@ class TrainStep(nn.Module):
             pos = (anchors[:, :, None] + torch.arange(L, device=ids.device)).reshape(N, -1)  # predicts pos + 1
             t_hidden = last_hidden.gather(1, pos[..., None].expand(-1, -1, last_hidden.shape[-1])).view(N, A, L, -1)
         return drafter_losses(self.drafter, self._target, out, gamma=self.cfg.gamma, target_hidden=t_hidden,
-                              selector_alpha=self.cfg.selector_alpha, denominators=denominators,
+                              selector_alpha=self.cfg.selector_alpha, confidence_alpha=self.cfg.confidence_alpha,
+                              denominators=denominators,
                               chunk=self.cfg.loss_chunk)
 
 
