@@ -109,8 +109,9 @@ class DFlash2Drafter(nn.Module):
     def save_pretrained(self, directory: str | Path, *, format: str = "dflash2") -> None:
         """Write `config.json` and `model.safetensors` (HF-style directory).
 
-        format="dflash2": our own layout. format="reference": the published DFlashDraftModel /
-        DFlash2DraftModel layout that SGLang, vLLM and z-lab/dflash load (docs/checkpoints.md).
+        format="dflash2": our own layout. format="reference": the published layout of the drafter's method
+        (DFlashDraftModel, DFlash2DraftModel, Qwen3DSparkModel, LiLiCorrDraftModel) that the engines load
+        (docs/checkpoints.md).
         """
         if format not in ("dflash2", "reference"):
             raise ValueError(f"format must be 'dflash2' or 'reference', got {format!r}")
@@ -121,7 +122,7 @@ class DFlash2Drafter(nn.Module):
                 raise ValueError("the reference format has no draft vocabulary; save "
                                  "with_config(draft_vocab_size=None) or use format='dflash2'")
             meta = reference_format.reference_from_config(self.config, self.backbone.fc.weight.dtype)
-            tensors = reference_format.reference_from_state(tensors)
+            tensors = reference_format.reference_from_state(tensors, reference_format.reference_architecture(self.config))
         else:
             meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
         directory.mkdir(parents=True, exist_ok=True)
@@ -153,7 +154,7 @@ class DFlash2Drafter(nn.Module):
         if reference_format.is_reference(meta):
             config = reference_format.config_from_reference(meta)
             model = cls(config).to(stored)
-            state = reference_format.state_from_reference(state, model.state_dict())
+            state = reference_format.state_from_reference(state, model.state_dict(), reference_format.architecture(meta))
         else:
             arch = meta.pop("architectures", [ARCHITECTURE])
             if arch != [ARCHITECTURE]:

@@ -1,9 +1,19 @@
-"""The published DFlash (`DFlashDraftModel`) and DFlash 2 (`DFlash2DraftModel`) checkpoint format.
+"""The published checkpoint formats: DFlash (`DFlashDraftModel`), DFlash 2 (`DFlash2DraftModel`),
+DSpark (`Qwen3DSparkModel`) and LiLiCorr (`LiLiCorrDraftModel`), as vLLM 0.32 loads them.
 
 A reference directory holds a Qwen3-style `config.json` (drafter sizes, `num_hidden_layers` = drafter
 layers, `num_target_layers`, a `dflash_config` section) and a `model.safetensors` whose tensor names
 are ours without the `backbone.` prefix; the codebooks are read with or without a `.weight` suffix
-and written without. Loading is strict: every tensor is used, none is missing, every shape must fit.
+and written without. The selector's tensors: DFlash 2's `candidate_selector.*` codebooks, DSpark's
+`markov_head.*` and `confidence_head.*`, LiLiCorr's `lilicorr.*`. Loading is strict: every tensor is
+used, none is missing, every shape must fit.
+
+DSpark's fields are top-level (`markov_rank`, `dspark_draft_topk`, `enable_confidence_head`,
+`confidence_head_with_markov`, `sample_from_anchor`), LiLiCorr's are in `dflash_config`
+(`lilicorr_*`, the conv's `conv_kernel_size` / `conv_group_size`, 0 for the DFlash-1 backbone).
+dflash2 drafts the DFlash `1 + N` block (the anchor, then N masks that predict their own positions):
+DSpark files must say `sample_from_anchor: false` (vLLM's default, true, is the anchor-as-first
+layout, which dflash2 does not train or draft yet, and is refused with that reason).
 
 The config is read as the published drafters read it (z-lab/dflash through transformers'
 `Qwen3Config`; the SGLang and vLLM ports agree): a `dflash_config` entry wins over a top-level one;
@@ -24,9 +34,15 @@ from torch import Tensor
 
 from .config import DFlash2Config
 
-V1, V2 = "DFlashDraftModel", "DFlash2DraftModel"
-ARCHITECTURES = (V1, V2)
+V1, V2, DSPARK, LILICORR = "DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel", "LiLiCorrDraftModel"
+ARCHITECTURES = (V1, V2, DSPARK, LILICORR)
+DSPARK_ALIAS = "DSparkDraftModel"  # vLLM reads it as Qwen3DSparkModel when model_type is qwen3
 PREFIX = "backbone."
+SELECTOR = "candidate_selector."
+# where each format keeps the selector's tensors (ours: candidate_selector.*)
+SELECTOR_PREFIX = {V2: SELECTOR, DSPARK: "", LILICORR: "lilicorr."}
+LILICORR_FIELDS = ("lilicorr_hidden_size", "lilicorr_num_layers", "lilicorr_num_heads", "lilicorr_mlp_ratio",
+                   "lilicorr_factor_dim", "lilicorr_vector_eps", "lilicorr_logit_scale")
 CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 # Qwen3 config field → DFlash2Config field
 SIZES = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
@@ -42,14 +58,25 @@ SINK_TOP_LEVEL = "add_swa_attention_sink_bias"  # the sink flag's top-level name
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def architecture(meta: dict[str, Any]) -> str | None:
+    """The reference architecture a config.json declares (None: not a reference file)."""
+    names = list(meta.get("architectures") or [])
+    if DSPARK_ALIAS in names and meta.get("model_type") == "qwen3":
+        names = [DSPARK if a == DSPARK_ALIAS else a for a in names]
+    found = [a for a in names if a in ARCHITECTURES]
+    return found[0] if found else None
+
+
 def is_reference(meta: dict[str, Any]) -> bool:
-    return any(a in ARCHITECTURES for a in meta.get("architectures", []))
+    return architecture(meta) is not None
 
 
 def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
-    """A reference config.json → DFlash2Config (v1: no conv, argmax; v2: two-tap conv, walk)."""
+    """A reference config.json → DFlash2Config (v1: no conv, argmax; v2: two-tap conv, walk; DSpark:
+    no conv, the Markov selector; LiLiCorr: the lattice transformer on either backbone)."""
     meta = dict(meta)
-    (arch,) = [a for a in meta.pop("architectures") if a in ARCHITECTURES]
+    arch = architecture(meta)
+    declared = meta.pop("architectures")
     dflash = dict(meta.pop("dflash_config", None) or {})
     present = [k for k in TRACKED if k in meta]
     top_level: list[str] = []
@@ -84,7 +111,7 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     fields["block_size"] = int(dflash.pop("block_size", None) or top_block or 16)
     fields["mask_token_id"] = take("mask_token_id")
     fields["target_layer_ids"] = tuple(take("target_layer_ids"))
-    for name in (*V2_FIELDS, *OPTIONS):
+    for name in (*(V2_FIELDS if arch in (V1, V2) else ()), *OPTIONS):
         value = take(name)
         if value is not None:
             fields[name] = value
@@ -99,7 +126,7 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     fields["rope_interleaved"] = meta.pop("is_neox_style", True) is False  # rotary layout of the draft's own Q/K
     if not fields.get("final_logit_softcapping"):  # the reference: a cap of 0 or null is off
         fields.pop("final_logit_softcapping", None)
-    fields.update(conv="two_tap", selector="walk") if arch == V2 else fields.update(conv="none", selector="argmax")
+    method_extra = _method_from_reference(arch, meta, dflash, fields, take)
     fields["rope_parameters"] = _rope_from_reference(meta)
     # attention layout, as Qwen3Config resolves it
     use_window = bool(meta.pop("use_sliding_window", False))
@@ -137,29 +164,108 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     meta.pop("dtype", None), meta.pop("torch_dtype", None)
     fields["extra"] = {"architecture": arch, "config": meta, "dflash_config": dflash, "top_block_size": top_block,
                        "present": present, "top_level": top_level,
-                       "ignored_sliding_window": None if use_window else raw_window}
+                       "ignored_sliding_window": None if use_window else raw_window, **method_extra}
+    if declared != [arch]:
+        fields["extra"]["architectures"] = declared
     return DFlash2Config(**fields)
 
 
-def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = None) -> dict[str, Any]:
-    """DFlash2Config → reference config.json (v2 when it has the conv, v1 otherwise); `dtype` is the
-    weights' dtype, written as `dtype`. The run-time `context_window` is not part of the format
-    (the engines take it as their serving flag, --speculative-draft-window-size)."""
-    extra = config.extra or {}
+def _method_from_reference(arch: str, meta: dict[str, Any], dflash: dict[str, Any], fields: dict[str, Any],
+                           take) -> dict[str, Any]:
+    """The conv and selector fields each architecture implies; returns what to remember for the export."""
+    if arch == V1:
+        fields.update(conv="none", selector="argmax")
+    elif arch == V2:
+        fields.update(conv="two_tap", selector="walk")
+    elif arch == DSPARK:
+        anchor_first = meta.pop("sample_from_anchor", True)  # vLLM's default: the anchor-as-first layout
+        if anchor_first is not False:
+            raise ValueError("this DSpark checkpoint drafts anchor-as-first (sample_from_anchor is true or absent, "
+                             "vLLM's default): the anchor's own output predicts the first draft token. dflash2 drafts "
+                             "the DFlash 1 + N block (sample_from_anchor: false) only; the anchor-as-first layout "
+                             "is not supported yet")
+        if meta.get("markov_head_type", "vanilla") != "vanilla":
+            raise ValueError(f"DSpark markov_head_type {meta['markov_head_type']!r}: dflash2 has the vanilla "
+                             "low-rank head only")
+        if meta.get("logit_scale", 1.0) != 1.0:
+            raise ValueError(f"DSpark logit_scale {meta['logit_scale']}: dflash2's drafters have none (1.0)")
+        draft_vocab = meta.get("draft_vocab_size")
+        if draft_vocab is not None and draft_vocab != fields["vocab_size"]:
+            raise ValueError(f"DSpark draft_vocab_size {draft_vocab} != vocab_size {fields['vocab_size']}: a reduced "
+                             "draft vocabulary (d2t) is not read from this format")
+        if meta.get("markov_rank") is None:
+            raise ValueError("DSpark config lacks markov_rank")
+        if meta.get("dspark_draft_topk") is None:
+            raise ValueError("DSpark config has no dspark_draft_topk: the full-vocabulary Markov draft is not "
+                             "supported; add dspark_draft_topk (the candidates per position, as vLLM's "
+                             "--speculative-config dspark_draft_topk sets it) to config.json")
+        fields.update(conv="none", selector="dspark", selector_rank=int(meta.pop("markov_rank")),
+                      selector_top_k=int(meta.pop("dspark_draft_topk")))
+        head = meta.pop("enable_confidence_head", None)
+        markov_flag = "confidence_head_with_markov" in meta
+        fields["confidence_head"] = bool(head)
+        if head:  # without the head vLLM ignores the flag: kept as written
+            fields["confidence_with_markov"] = bool(meta.pop("confidence_head_with_markov", False))
+        return {"dspark_confidence_flag": head is not None, "dspark_markov_flag": markov_flag}
+    else:  # LILICORR
+        if not dflash.pop("lilicorr_enabled", True):
+            raise ValueError("LiLiCorr config has lilicorr_enabled: false (vLLM refuses it too)")
+        if meta.get("has_own_lm_head"):
+            raise ValueError("LiLiCorr config has has_own_lm_head: true; dflash2's drafters use the target's LM head")
+        explicit = "conv_kernel_size" in dflash
+        taps, groups = dflash.pop("conv_kernel_size", 0), dflash.pop("conv_group_size", 0)
+        if bool(taps) != bool(groups):
+            raise ValueError(f"LiLiCorr conv_kernel_size {taps} and conv_group_size {groups}: both or neither")
+        missing = [k for k in (*LILICORR_FIELDS, "lilicorr_candidate_topk") if k not in dflash]
+        if missing:
+            raise ValueError(f"LiLiCorr config lacks dflash_config {missing} (vLLM reads every one)")
+        fields.update(selector="lilicorr", selector_top_k=int(dflash.pop("lilicorr_candidate_topk")),
+                      conv="two_tap" if taps else "none")
+        if taps:
+            fields.update(conv_kernel_size=int(taps), conv_group_size=int(groups))
+        for name in LILICORR_FIELDS:
+            fields[name] = dflash.pop(name)
+        raw_width = fields["lilicorr_hidden_size"]
+        fields["lilicorr_hidden_size"] = raw_width or None  # 0 / null: the drafter's width
+        return {"lilicorr_zero_conv": explicit and not taps, "lilicorr_raw_width": raw_width}
+    return {}
+
+
+def reference_architecture(config: DFlash2Config) -> str:
+    """The published architecture a drafter of this config exports as; ValueError where it has none."""
     from .selector import BUILTIN
 
-    if config.selector not in BUILTIN or config.conv not in ("two_tap", "none"):
-        raise ValueError(f"the reference format knows the built-in pieces only (selector {list(BUILTIN)}, conv two_tap "
-                         f"or none); this drafter has selector={config.selector!r}, conv={config.conv!r}: save it with "
-                         "format='dflash2'")
+    if config.conv not in ("two_tap", "none") or config.selector not in (*BUILTIN, "dspark", "lilicorr"):
+        raise ValueError(f"the reference format knows the built-in pieces only (selector {[*BUILTIN, 'dspark', 'lilicorr']}"
+                         f", conv two_tap or none); this drafter has selector={config.selector!r}, conv={config.conv!r}:"
+                         " save it with format='dflash2'")
+    if config.selector == "lilicorr":
+        return LILICORR  # on either backbone
+    if config.selector == "dspark":
+        if config.conv != "none":
+            raise ValueError("DSpark's published format (Qwen3DSparkModel) has the DFlash-1 backbone: conv="
+                             f"{config.conv!r} with selector='dspark' has no reference form")
+        return DSPARK
     v2 = config.conv == "two_tap"
     if v2 != (config.selector != "argmax"):
         raise ValueError("the reference format has DFlash 1 (no conv, argmax) and DFlash 2 (conv, selector) only; "
                          f"conv={config.conv!r} with selector={config.selector!r} has no reference form")
+    return V2 if v2 else V1
+
+
+def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """DFlash2Config → reference config.json (the architecture of `reference_architecture`); `dtype` is the
+    weights' dtype, written as `dtype`. The run-time `context_window` is not part of the format
+    (the engines take it as their serving flag, --speculative-draft-window-size)."""
+    extra = config.extra or {}
+    arch = reference_architecture(config)
+    v2 = arch == V2
     imported = "present" in extra
     present = set(extra.get("present", ()))
     top_level = set(extra.get("top_level", ()))
-    meta: dict[str, Any] = {"architectures": [V2 if v2 else V1], "model_type": "qwen3"}
+    same = extra.get("architecture") == arch  # written back as the imported file declared it
+    meta: dict[str, Any] = {"architectures": list(extra.get("architectures", [arch])) if same else [arch],
+                            "model_type": "qwen3"}
     meta.update(extra.get("config", {}))
     meta.update({theirs: getattr(config, ours) for theirs, ours in SIZES.items()})
     meta["num_target_layers"] = config.num_target_layers
@@ -192,6 +298,22 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
                   block_size=config.block_size)
     if v2:
         dflash.update({name: getattr(config, name) for name in V2_FIELDS})
+    elif arch == DSPARK:
+        meta.update(markov_rank=config.selector_rank, dspark_draft_topk=config.selector_top_k,
+                    sample_from_anchor=False)
+        if config.confidence_head or extra.get("dspark_confidence_flag", not same):
+            meta["enable_confidence_head"] = config.confidence_head
+        if config.confidence_with_markov or config.confidence_head and extra.get("dspark_markov_flag", not same):
+            meta["confidence_head_with_markov"] = config.confidence_with_markov
+    elif arch == LILICORR:
+        dflash.update({name: getattr(config, name) for name in LILICORR_FIELDS},
+                      lilicorr_enabled=True, lilicorr_candidate_topk=config.selector_top_k)
+        if config.lilicorr_hidden_size is None:
+            dflash["lilicorr_hidden_size"] = extra.get("lilicorr_raw_width") if same else None
+        if config.conv == "two_tap":
+            dflash.update(conv_kernel_size=config.conv_kernel_size, conv_group_size=config.conv_group_size)
+        elif extra.get("lilicorr_zero_conv", not same):
+            dflash.update(conv_kernel_size=0, conv_group_size=0)
     for name in OPTIONS:
         if getattr(config, name) is not None:
             dflash[name] = getattr(config, name)
@@ -210,19 +332,35 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
             **dict(sorted(meta.items()))}
 
 
-def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]) -> dict[str, Tensor]:
+def _ours(name: str, arch: str) -> str:
+    """A published tensor name → ours (the selector's under candidate_selector., the rest under backbone.)."""
+    if arch == DSPARK and name.startswith(("markov_head.", "confidence_head.")):
+        return SELECTOR + name
+    if arch == LILICORR and name.startswith("lilicorr."):
+        return SELECTOR + name[len("lilicorr."):]
+    if arch == V2 and name.startswith(SELECTOR):
+        return name[: -len(".weight")] if name.endswith(".weight") and name[: -len(".weight")] in CODEBOOKS else name
+    return PREFIX + name
+
+
+def _theirs(name: str, arch: str) -> str:
+    if name.startswith(SELECTOR):
+        return SELECTOR_PREFIX[arch] + name[len(SELECTOR):]
+    return name[len(PREFIX):] if name.startswith(PREFIX) else name
+
+
+def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor], arch: str = V2
+                         ) -> dict[str, Tensor]:
     """Reference tensors → our state dict; strict. Codebooks with or without a `.weight` suffix."""
     state = {}
     for name, tensor in tensors.items():
-        ours = name if name.startswith("candidate_selector.") else PREFIX + name
-        if name.endswith(".weight") and name[: -len(".weight")] in CODEBOOKS:
-            ours = name[: -len(".weight")]
+        ours = _ours(name, arch)
         if ours in state:
             raise ValueError(f"reference checkpoint holds {ours} twice (with and without .weight)")
         state[ours] = tensor
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        unexpected = [k[len(PREFIX):] if k.startswith(PREFIX) else k for k in unexpected]
+        missing, unexpected = [_theirs(k, arch) for k in missing], [_theirs(k, arch) for k in unexpected]
         raise ValueError(f"reference checkpoint does not fit the config: missing {missing}, unused {unexpected}")
     wrong = [f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items() if state[k].shape != v.shape]
     if wrong:
@@ -230,10 +368,9 @@ def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]
     return state
 
 
-def reference_from_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
+def reference_from_state(state: dict[str, Tensor], arch: str = V2) -> dict[str, Tensor]:
     """Our state dict → the published tensor names (codebooks without `.weight`, as released)."""
-    return {name if name in CODEBOOKS or not name.startswith(PREFIX) else name[len(PREFIX):]: tensor
-            for name, tensor in state.items()}
+    return {_theirs(name, arch): tensor for name, tensor in state.items()}
 
 
 def _rope_from_reference(meta: dict[str, Any]) -> dict[str, Any]:

@@ -322,3 +322,39 @@ def random_reference_tensors(*, v2: bool, layers: int, hidden: int, heads: int, 
         t["candidate_selector.successor_codebook" + codebook_suffix] = r(vocab, rank) * codebook_scale
         t["candidate_selector.hidden_projection.weight"] = r(rank, H)
     return t
+
+
+def random_selector_tensors(method: str, cfg: dict, seed: int = 0, scale: float = 0.3) -> dict[str, Tensor]:
+    """Random float64 tensors of DSpark's or LiLiCorr's heads under vLLM 0.32's names and shapes (its
+    `Qwen3DSparkModel` / `LiLiCorrHead` parameter lists, written out here, not through dflash2's mapping),
+    for a reference config.json dict `cfg`."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * scale  # noqa: E731
+    H, V = cfg["hidden_size"], cfg["vocab_size"]
+    if method == "dspark":
+        rank = cfg["markov_rank"]
+        t = {"markov_head.markov_w1.weight": r(V, rank) * 4, "markov_head.markov_w2.weight": r(V, rank) * 4}
+        if cfg.get("enable_confidence_head"):
+            width = H + (rank if cfg.get("confidence_head_with_markov") else 0)
+            t |= {"confidence_head.proj.weight": r(1, width), "confidence_head.proj.bias": r(1)}
+        return t
+    d = cfg["dflash_config"]
+    h, K, B = d["lilicorr_hidden_size"] or H, d["lilicorr_candidate_topk"], d["block_size"]
+    heads, inner, factor = d["lilicorr_num_heads"], int(h * d["lilicorr_mlp_ratio"]), d["lilicorr_factor_dim"]
+    linear = lambda name, n_in, n_out: {f"lilicorr.{name}.weight": r(n_out, n_in), f"lilicorr.{name}.bias": r(n_out)}  # noqa: E731
+    t = {"lilicorr.slot_embedding": r(1, 1, B - 1, 1, h), "lilicorr.rank_embedding": r(1, 1, 1, K, h),
+         "lilicorr.relative_slot_bias": r(heads, 2 * B - 1) * 3, "lilicorr.same_slot_bias": r(heads) * 3,
+         "lilicorr.feature_norm.weight": 1 + r(5), "lilicorr.feature_norm.bias": r(5),
+         "lilicorr.output_norm.weight": 1 + r(h), "lilicorr.anchor_norm.weight": 1 + r(h)}
+    if h != H:
+        t |= linear("token_proj", H, h)
+    for name, n_in, n_out in (("pass_hidden_proj", H, h), ("feature_mlp.up_proj", 5, h), ("feature_mlp.down_proj", h, h),
+                              ("context_proj", H, h), ("factor_input_proj", 3 * h, h), ("out_head", h, factor),
+                              ("in_head", h, factor), ("anchor_out_head", h, factor)):
+        t |= linear(name, n_in, n_out)
+    for i in range(d["lilicorr_num_layers"]):
+        p = f"layers.{i}."
+        t |= {f"lilicorr.{p}attn_norm.weight": 1 + r(h), f"lilicorr.{p}mlp_norm.weight": 1 + r(h),
+              f"lilicorr.{p}attn.in_proj_weight": r(3 * h, h), f"lilicorr.{p}attn.in_proj_bias": r(3 * h)}
+        t |= linear(p + "attn.out_proj", h, h) | linear(p + "mlp.up_proj", h, inner) | linear(p + "mlp.down_proj", inner, h)
+    return t

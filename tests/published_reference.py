@@ -13,6 +13,12 @@ computed as its `_resolve_layer_attention`, `_dflash_layer_causal` and DFlashQwe
 (`dflash_config.attention_sink_bias` or top-level `add_swa_attention_sink_bias`; vLLM's `sinks`: one
 more logit per head in the softmax, no value), `dflash_config.attention_value_scale` (values × s,
 context and block), `is_neox_style: false` (GPT-J rotary on adjacent channel pairs).
+
+DSpark (`Qwen3DSparkModel`: vLLM's `qwen3_dspark.py` and its speculator's `_sample_sequential_topk`)
+and LiLiCorr (`LiLiCorrDraftModel`: `lilicorr.py`'s LiLiCorrHead.score and the DFlash 2 speculator's
+walk, which starts from predecessor index 0 and reads the correlator's scores only) are written from
+those files, in their own formulation (the concatenated factor input, a dense -inf buffer for the
+corrected DSpark candidates).
 """
 
 from __future__ import annotations
@@ -53,7 +59,16 @@ def resolve(cfg: dict) -> dict:
                 value_scale=dflash.get("attention_value_scale"), neox=cfg.get("is_neox_style", True),
                 scale=float(value("input_embedding_scale", 1.0)), multiplier=float(value("output_multiplier", 1.0)),
                 cap=float(cap) if cap else None, block=int(value("block_size", 16)), mask=value("mask_token_id"),
-                top_k=value("selector_top_k"), v2="DFlash2DraftModel" in cfg["architectures"])
+                top_k=value("selector_top_k"), method=method(cfg),
+                v2="DFlash2DraftModel" in cfg["architectures"] or bool(dflash.get("conv_kernel_size")) and
+                "LiLiCorrDraftModel" in cfg["architectures"])
+
+
+def method(cfg: dict) -> str:
+    archs = cfg["architectures"]
+    if "Qwen3DSparkModel" in archs or "DSparkDraftModel" in archs:
+        return "dspark"
+    return "lilicorr" if "LiLiCorrDraftModel" in archs else "dflash2" if "DFlash2DraftModel" in archs else "dflash"
 
 
 def rope_tables(cfg: dict, r: dict, positions: Tensor) -> tuple[Tensor, Tensor]:
@@ -171,12 +186,19 @@ def block_hidden(cfg: dict, t: dict[str, Tensor], embedding: Tensor, features: T
     return rms(x, t["norm.weight"], eps)
 
 
-def drafts(cfg: dict, t: dict[str, Tensor], hidden: Tensor, head: Tensor, anchor: int) -> list[int]:
-    """Greedy drafts of block positions 1..B-1: argmax (DFlash) or the selector's walk (DFlash 2)."""
+def drafts(cfg: dict, t: dict[str, Tensor], hidden: Tensor, head: Tensor, anchor: int,
+           embedding: Tensor | None = None, anchor_hidden: Tensor | None = None) -> list[int]:
+    """Greedy drafts of block positions 1..B-1: argmax (DFlash), the selector's walk (DFlash 2), the
+    Markov head's sequential argmax (DSpark), the walk over LiLiCorr's scores (LiLiCorr: needs the
+    target's `embedding` and `anchor_hidden`, the fused feature of the position before the anchor)."""
     r = resolve(cfg)
     logits = hidden[1:] @ head.T * r["multiplier"]
     if r["cap"] is not None:
         logits = torch.tanh(logits / r["cap"]) * r["cap"]
+    if r["method"] == "dspark":
+        return dspark(cfg, t, hidden, logits, anchor)[0]
+    if r["method"] == "lilicorr":
+        return lilicorr_walk(cfg, t, logits, hidden[1:], embedding, anchor_hidden)
     if not r["v2"]:
         return logits.argmax(-1).tolist()
     codebook = lambda name: t.get(f"candidate_selector.{name}", t.get(f"candidate_selector.{name}.weight"))  # noqa: E731
@@ -188,4 +210,95 @@ def drafts(cfg: dict, t: dict[str, Tensor], hidden: Tensor, head: Tensor, anchor
             codebook("successor_codebook")[candidates[pos]].T
         prev = int(candidates[pos, scores.argmax()])
         path.append(prev)
+    return path
+
+
+def dspark(cfg: dict, t: dict[str, Tensor], hidden: Tensor, logits: Tensor, anchor: int
+           ) -> tuple[list[int], Tensor | None]:
+    """DSpark's greedy draft and confidences: the top-k base values once, then left to right the Markov
+    bias W2[cand] · W1[prev] added to them in a dense -inf row and its argmax; c_t = sigmoid(proj(
+    [h_t ; W1[prev_t]]) or proj(h_t)) over the drafted tokens' predecessors."""
+    w1, w2 = t["markov_head.markov_w1.weight"], t["markov_head.markov_w2.weight"]
+    values, index = logits.topk(int(cfg["dspark_draft_topk"]), dim=-1)
+    path, prev, embeds = [], anchor, []
+    for pos in range(logits.shape[0]):
+        embed = w1[prev]
+        embeds.append(embed)
+        row = torch.full_like(logits[pos], float("-inf"))
+        row[index[pos]] = values[pos] + w2[index[pos]] @ embed
+        prev = int(row.argmax())
+        path.append(prev)
+    if not cfg.get("enable_confidence_head"):
+        return path, None
+    x = hidden[1:]
+    if cfg.get("confidence_head_with_markov"):
+        x = torch.cat([x, torch.stack(embeds)], dim=-1)
+    conf = torch.sigmoid(x.float() @ t["confidence_head.proj.weight"].float().T + t["confidence_head.proj.bias"].float())
+    return path, conf[:, 0]
+
+
+def lilicorr_scores(cfg: dict, t: dict[str, Tensor], ids: Tensor, log_probs: Tensor, pass_hidden: Tensor,
+                    embedding: Tensor, anchor_hidden: Tensor) -> Tensor:
+    """LiLiCorrHead.forward for one row: ids, log_probs [L, K], pass_hidden [L, H] → scores [L, K, K]
+    (row 0: the anchor's scores repeated for every predecessor; row s > 0: slot s-1 → slot s)."""
+    d = cfg["dflash_config"]
+    w = lambda name: t["lilicorr." + name]  # noqa: E731
+    lin = lambda x, name: x @ w(name + ".weight").T + w(name + ".bias")  # noqa: E731
+    L, K = ids.shape
+    H = cfg["hidden_size"]
+    h = d["lilicorr_hidden_size"] or H
+    heads, eps, B = d["lilicorr_num_heads"], cfg["rms_norm_eps"], int(d.get("block_size", cfg.get("block_size")))
+    tok = embedding[ids]
+    x = tok if h == H else lin(tok, "token_proj")
+    x = x + lin(pass_hidden, "pass_hidden_proj")[:, None, :]
+    lp = log_probs
+    rank = torch.arange(K, dtype=lp.dtype) / (K - 1) if K > 1 else torch.zeros(K, dtype=lp.dtype)
+    f = torch.stack([lp, lp.exp(), lp - lp.max(-1, keepdim=True).values, rank.expand(L, K),
+                     (torch.arange(K) == 0).to(lp.dtype).expand(L, K)], dim=-1)
+    f = F.layer_norm(f, (5,), w("feature_norm.weight"), w("feature_norm.bias"))
+    x = x + lin(F.silu(lin(f, "feature_mlp.up_proj")), "feature_mlp.down_proj")
+    x = x + w("slot_embedding")[0, 0, :L] + w("rank_embedding")[0, 0]
+    x = x.reshape(L * K, h)
+    slot = torch.arange(L).repeat_interleave(K)
+    rel = slot[:, None] - slot[None, :]
+    bias = w("relative_slot_bias")[:, rel + B - 1] + (rel == 0).to(x.dtype) * w("same_slot_bias")[:, None, None]
+    hd = h // heads
+    for i in range(d["lilicorr_num_layers"]):
+        p = f"layers.{i}."
+        y = rms(x, w(p + "attn_norm.weight"), eps)
+        q, k, v = (y @ w(p + "attn.in_proj_weight").T + w(p + "attn.in_proj_bias")).chunk(3, dim=-1)
+        q, k, v = (z.reshape(L * K, heads, hd).transpose(0, 1) for z in (q, k, v))
+        att = ((q @ k.transpose(1, 2)) * hd ** -0.5 + bias).softmax(-1) @ v
+        x = x + lin(att.transpose(0, 1).reshape(L * K, h), p + "attn.out_proj")
+        y = rms(x, w(p + "mlp_norm.weight"), eps)
+        x = x + lin(F.silu(lin(y, p + "mlp.up_proj")), p + "mlp.down_proj")
+    x = rms(x, w("output_norm.weight"), eps).reshape(L, K, h)
+    a = rms(lin(anchor_hidden, "context_proj"), w("anchor_norm.weight"), eps)
+    factor = F.silu(lin(torch.cat([x, a.expand(L, K, h), x * a], dim=-1), "factor_input_proj"))
+    unit = lambda z: z / z.norm(dim=-1, keepdim=True).clamp_min(d["lilicorr_vector_eps"])  # noqa: E731
+    out_vec, in_vec = unit(lin(factor, "out_head")), unit(lin(factor, "in_head"))
+    anchor_out = unit(lin(a, "anchor_out_head"))
+    start = in_vec[0] @ anchor_out  # [K]
+    pairs = out_vec[:-1] @ in_vec[1:].transpose(-1, -2)  # [L-1, K, K]
+    scale = d["lilicorr_logit_scale"]  # vLLM's forward: logit_scale × the scores cast to float32
+    return torch.cat([(scale * start.float()).expand(1, K, K), scale * pairs.float()])
+
+
+def lilicorr_candidates(cfg: dict, logits: Tensor) -> tuple[Tensor, Tensor]:
+    """vLLM's get_top_k_tokens(return_log_probs=True): the top-k ids and their log-probabilities, the
+    top-k values and the log-partition both in float32 (then back to the hidden states' dtype)."""
+    values, ids = logits.topk(cfg["dflash_config"]["lilicorr_candidate_topk"], dim=-1)
+    log_probs = values.float() - torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    return ids, log_probs.to(logits.dtype)
+
+
+def lilicorr_walk(cfg: dict, t: dict[str, Tensor], logits: Tensor, pass_hidden: Tensor, embedding: Tensor,
+                  anchor_hidden: Tensor) -> list[int]:
+    """The greedy walk of vLLM's DFlash 2 speculator over LiLiCorr's scores: previous = 0 at the start."""
+    ids, log_probs = lilicorr_candidates(cfg, logits)
+    scores = lilicorr_scores(cfg, t, ids, log_probs, pass_hidden, embedding, anchor_hidden)
+    path, previous = [], 0
+    for step in range(ids.shape[0]):
+        previous = int(scores[step, previous].argmax())
+        path.append(int(ids[step, previous]))
     return path
