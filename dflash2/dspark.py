@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from .config import DFlash2Config
 from .heads import Candidates
+from .registry import register_selector
 from .rng import RandomSource
 from .selector import PairwiseSelector, walk, walk_batch
 from .verify import Draft
@@ -101,3 +102,6 @@ class DSparkSelector(PairwiseSelector):
         prev = torch.cat([anchor, tokens[..., :-1]], dim=-1)  # the token before each drafted one
         logits = self.confidence_logits(hidden, prev)
         return None if logits is None else torch.sigmoid(logits)
+
+
+register_selector('dspark', DSparkSelector)

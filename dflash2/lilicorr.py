@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from .config import DFlash2Config
 from .heads import Candidates, RoundContext
+from .registry import register_selector
 from .rng import RandomSource
 from .selector import walk, walk_batch
 from .verify import Draft
@@ -167,3 +168,6 @@ class LiLiCorrSelector(nn.Module):
         first, steps = self.scores(cands, hidden, context)  # [R, K], [R, L-1, K, K]
         index = walk_batch(first, steps, cands.ids)
         return [Draft(row) for row in cands.ids.gather(2, index[..., None])[..., 0]]
+
+
+register_selector('lilicorr', LiLiCorrSelector)

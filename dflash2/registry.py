@@ -28,7 +28,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 class Registry:
     """Names → factories of one kind of piece."""
 
-    def __init__(self, kind: str, builtins: str, check: Callable[[Any, str], Any] | None = None) -> None:
+    def __init__(self, kind: str, builtins: tuple[str, ...], check: Callable[[Any, str], Any] | None = None) -> None:
         self.kind, self._builtins, self._check = kind, builtins, check
         self._factories: dict[str, Callable[[Any], Any]] = {}
 
@@ -88,7 +88,8 @@ class Registry:
         return self._check(piece, name) if self._check is not None else piece
 
     def _load_builtins(self) -> None:
-        importlib.import_module(self._builtins)  # registers the built-in pieces on first import
+        for module in self._builtins:  # each registers its built-in pieces on first import
+            importlib.import_module(module)
 
 
 def _qualname(obj: Any) -> str:
@@ -101,8 +102,8 @@ def _check_selector(selector: Any, name: str) -> Any:
     return complete_selector(selector, name)
 
 
-SELECTORS = Registry("selector", "dflash2.selector", _check_selector)
-CONVS = Registry("conv", "dflash2.conv")
+SELECTORS = Registry("selector", ("dflash2.selector", "dflash2.dspark", "dflash2.lilicorr"), _check_selector)
+CONVS = Registry("conv", ("dflash2.conv",))
 
 
 def register_selector(name: str, factory: F | None = None, *, replace: bool = False):

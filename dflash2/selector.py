@@ -178,12 +178,8 @@ def viterbi_path(first: Tensor, steps: Tensor) -> Tensor:
     return torch.tensor(path[::-1], dtype=torch.long, device=first.device)
 
 
-from .dspark import DSparkSelector  # noqa: E402 (they build on the classes above)
-from .lilicorr import LiLiCorrSelector  # noqa: E402
-
-for _name, _kind in (("argmax", ArgmaxSelector), ("walk", WalkSelector), ("viterbi", ViterbiSelector),
-                     ("dspark", DSparkSelector), ("lilicorr", LiLiCorrSelector)):
-    register_selector(_name, _kind)
+for _name, _kind in (("argmax", ArgmaxSelector), ("walk", WalkSelector), ("viterbi", ViterbiSelector)):
+    register_selector(_name, _kind)  # dspark and lilicorr register themselves in their own modules
 BUILTIN = ("walk", "viterbi", "argmax")  # the selectors the published checkpoint format has
 
 

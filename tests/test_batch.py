@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
 from dflash2.batch import left_pad
 from dflash2.sampling import process_logits
-from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, perturb_selector, VOCAB, enumerate_outcomes, exact_ar_distribution,
-                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, tiny_drafter,
-                           tiny_target)
+from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
+                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, perturb_selector,
+                           tiny_drafter, tiny_target)
 
 
 class RowOracle:

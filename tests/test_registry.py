@@ -223,7 +223,7 @@ def test_what_a_selector_lacks_is_named_with_what_it_is_for(no_repeat):
 
 
 def test_registry_names_and_refusals():
-    registry = Registry("piece", "dflash2.selector")
+    registry = Registry("piece", ("dflash2.selector",))
     registry.register("a", dict)
     assert registry.register("a", dict) is dict  # the same factory again: fine
     with pytest.raises(ValueError, match="taken by"):
