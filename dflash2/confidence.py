@@ -1,0 +1,115 @@
+"""Confidence: how likely each drafted token is to survive verification, and what follows from it.
+
+The one signal (`Draft.confidence`, dflash2.interfaces "Confidence") is a per-token conditional:
+
+    c_t = P(token t accepted | tokens 1..t-1 accepted)            [L]
+    s_t = Π_{u<=t} c_u = P(the first t tokens all accepted)        survival [L]
+    E[accepted draft tokens | the first n verified] = Σ_{t<=n} s_t
+
+Where it comes from:
+
+* a confidence head (DSpark's) fills `Draft.confidence` itself;
+* otherwise `lattice_confidence` reads it off the lattice the selector walked: the softmax over the K
+  successors of the pick's score, given the pick before it (for argmax drafters, whose lattice is the
+  unaries alone, that is the candidate head's top-1 probability).
+
+Neither is calibrated: a head learns against teacher-forced labels, the lattice's softmax is over K
+candidates, not over what the target would say. `Calibrator` maps raw values onto the acceptances
+actually observed, online (per draft position and confidence bin, shrunk to the raw value while a
+bin has seen little), and its `table()` is what the calibration plot shows (predicted against
+observed, per position). Nothing here is read by the verifier: no value of c can change what is
+committed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def survival(confidence: Tensor) -> Tensor:
+    """c [..., L] → s [..., L], s_t = Π_{u<=t} c_u (float32 or wider)."""
+    return confidence.to(torch.promote_types(confidence.dtype, torch.float32)).clamp(0, 1).cumprod(dim=-1)
+
+
+def expected_accepted(confidence: Tensor) -> Tensor:
+    """c [..., L] → [..., L + 1]: the expected number of accepted draft tokens when the first n are
+    verified, for n = 0..L (0 for n = 0; the target's own token comes on top of each)."""
+    s = survival(confidence)
+    return torch.cat([s.new_zeros(*s.shape[:-1], 1), s.cumsum(dim=-1)], dim=-1)
+
+
+def lattice_confidence(first: Tensor, steps: Tensor, index: Tensor, temperature: float = 1.0) -> Tensor:
+    """The walk's own estimate along a path: first [..., K], steps [..., L-1, K, K], index [..., L] (the
+    picked candidate at each position) → c [..., L], c_t = softmax(scores of t's successors / T)[pick_t]
+    given the pick before it (T: the scale the scores are read at; 1 for the raw lattice)."""
+    scale = max(float(temperature), 1e-6)
+    p0 = torch.softmax(first.float() / scale, dim=-1).gather(-1, index[..., :1])  # [..., 1]
+    if index.shape[-1] == 1:
+        return p0
+    rows = steps.float().gather(-2, index[..., :-1, None, None].expand(*steps.shape[:-2], 1, steps.shape[-1]))
+    rows = rows[..., 0, :]  # [..., L-1, K]: the scores of t's successors given the pick at t-1
+    p = torch.softmax(rows / scale, dim=-1).gather(-1, index[..., 1:, None])[..., 0]  # [..., L-1]
+    return torch.cat([p0, p], dim=-1)
+
+
+class Calibrator:
+    """Raw confidences → calibrated ones, learned from what verification accepted.
+
+    Per draft position t < positions and per bin of the raw value (`bins` equal-width bins of [0, 1]):
+    n (tokens verified with every token before them accepted) and a (those accepted). calibrate(c) at t
+    = (a + m · c) / (n + m): the raw value until a bin has seen about m tokens, the observed rate after.
+    A round that verified n tokens and accepted k observes positions 0..min(k, n-1): 1..k accepted,
+    k+1 rejected (when k < n); positions past the first rejection are not observed (c is conditional).
+    """
+
+    def __init__(self, positions: int, bins: int = 10, prior_strength: float = 8.0) -> None:
+        if positions < 1 or bins < 1 or prior_strength <= 0:
+            raise ValueError(f"Calibrator needs positions >= 1, bins >= 1 and prior_strength > 0, got "
+                             f"{positions}, {bins}, {prior_strength}")
+        self.bins, self.prior_strength = bins, prior_strength
+        self.seen = torch.zeros(positions, bins, dtype=torch.float64)
+        self.accepted = torch.zeros(positions, bins, dtype=torch.float64)
+        self.predicted = torch.zeros(positions, bins, dtype=torch.float64)  # sum of raw c, for the table
+
+    def _bin(self, confidence: Tensor) -> Tensor:
+        return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)
+
+    def observe(self, confidence: Tensor, num_verified: int, num_accepted: int) -> None:
+        """confidence [L] raw values of a round's draft; the first num_verified were verified and the
+        first num_accepted of those accepted."""
+        if not 0 <= num_accepted <= num_verified <= confidence.shape[0]:
+            raise ValueError(f"need 0 <= accepted ({num_accepted}) <= verified ({num_verified}) <= L "
+                             f"({confidence.shape[0]})")
+        observed = min(num_accepted + 1, num_verified, self.seen.shape[0])
+        if observed == 0:
+            return
+        c = confidence[:observed].detach().cpu()
+        t = torch.arange(observed)
+        b = self._bin(c)
+        self.seen[t, b] += 1
+        self.accepted[t, b] += (t < num_accepted).double()
+        self.predicted[t, b] += c.double()
+
+    def calibrate(self, confidence: Tensor) -> Tensor:
+        """c [..., L] raw → [..., L] calibrated (positions past the table's reuse its last row)."""
+        L = confidence.shape[-1]
+        t = torch.arange(L).clamp(max=self.seen.shape[0] - 1).expand_as(confidence)
+        c = confidence.detach().cpu().double()
+        b = self._bin(c)
+        n, a = self.seen[t, b], self.accepted[t, b]
+        out = (a + self.prior_strength * c) / (n + self.prior_strength)
+        return out.to(device=confidence.device, dtype=torch.promote_types(confidence.dtype, torch.float32))
+
+    def table(self) -> list[dict]:
+        """One entry per (position, bin) that saw a token: predicted (mean raw c), observed (acceptance
+        rate), count."""
+        rows = []
+        for t, b in zip(*torch.nonzero(self.seen, as_tuple=True)):
+            n = float(self.seen[t, b])
+            rows.append(dict(position=int(t), bin=int(b), count=int(n), predicted=float(self.predicted[t, b]) / n,
+                             observed=float(self.accepted[t, b]) / n))
+        return rows
+
+
+__all__ = ["Calibrator", "expected_accepted", "lattice_confidence", "survival"]
