@@ -39,7 +39,6 @@ sys.path.insert(0, str(ROOT))
 
 from dflash2 import DFlash2Drafter, TargetAdapter  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
-from dflash2.heads import Candidates  # noqa: E402
 
 VARIANTS = {
     "DFlash-2 (walk)": dict(conv="two_tap", selector="walk"),
