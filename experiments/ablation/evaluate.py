@@ -97,6 +97,7 @@ def main() -> int:
     if len(layers) != 1:
         raise SystemExit(f"error: the variants read different target layers {layers}: train them from one config")
     target = StaticTarget(model, layers.pop())
+    plain = StaticTarget(model)  # plain decoding reads no layers
     stops = [tok.eos_token_id]
     B = next(iter(drafters.values())).block_size
 
@@ -105,14 +106,14 @@ def main() -> int:
                                         identical=0) for name in ["plain decoding", *drafters]} for suite in SUITES}
     calibrators = {name: Calibrator(B - 1) for name in drafters}
     for ids in [tok("def f(x):\n    return x\n", return_tensors="pt").input_ids]:  # warm-up: kernels, caches
-        ar_generate(target, ids, max_new_tokens=8)
+        ar_generate(plain, ids, max_new_tokens=8)
         for d in drafters.values():
             spec_generate(d, target, ids, max_new_tokens=8)
     for suite in SUITES:
         prompts = load_prompts(suite, args.prompts)[0]
         for i, text in enumerate(prompts):
             ids = tok(text, return_tensors="pt").input_ids
-            ref = ar_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
+            ref = ar_generate(plain, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops)
             row = results[suite]["plain decoding"]
             row["tokens"] += ref.new_tokens.numel()
             row["total_s"] += ref.total_s
