@@ -25,4 +25,5 @@ for v in ${@:-dflash1 dflash2 dspark lilicorr_v1 lilicorr_v2}; do
   # the trained drafter, kept in bfloat16 (half the bytes) where experiments/ablation/evaluate.py reads it
   python -c "import sys, torch; from dflash2 import DFlash2Drafter; DFlash2Drafter.from_pretrained(sys.argv[1]).to(torch.bfloat16).save_pretrained(sys.argv[2])" \
     runs/ablation/$v/final experiments/ablation/drafters/$v
+  cp runs/ablation/$v/final/train_config.json experiments/ablation/drafters/$v/
 done
