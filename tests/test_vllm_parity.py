@@ -6,7 +6,6 @@ be caught. Skipped without DFLASH2_VLLM_PYTHON (CI never has vLLM)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,27 +18,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "experiments" / "vllm_parity"))
 
 
-def _theirs(work: Path):
-    import torch
-
-    from dflash2.embedded import embedded_path
-
-    done = subprocess.run([VLLM, str(ROOT / "experiments" / "vllm_parity" / "worker.py"), str(work / "cases.pt"),
-                           str(work / "theirs.pt"), str(embedded_path("target"))], capture_output=True, text=True,
-                          timeout=1200)
-    return done, (torch.load(work / "theirs.pt") if done.returncode == 0 else None)
-
-
 def test_every_variant_agrees_with_vllms_code(tmp_path):
-    import torch
 
     import run as parity
 
     cases, ours = parity.cases(tmp_path)
-    torch.save(cases, tmp_path / "cases.pt")
-    done, theirs = _theirs(tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    rows = parity.compare(ours, theirs)
+    rows = parity.compare(ours, parity.theirs(VLLM, cases, tmp_path))  # a failing worker raises with its stderr
     assert all(r["within_tolerance"] for r in rows.values()), rows
 
 
@@ -47,7 +31,6 @@ def test_mutated_exports_are_caught(tmp_path):
     """Swap the pre/post halves of one convolution kernel (a plausible export bug: both are [taps, H]),
     and drop DSpark's confidence head bias: the first breaks the conv agreement, the second leaves a
     vLLM parameter unset (or is refused by load_weights)."""
-    import torch
     from safetensors.torch import load_file, save_file
 
     import run as parity
@@ -64,13 +47,12 @@ def test_mutated_exports_are_caught(tmp_path):
     tensors = load_file(path)
     del tensors[next(k for k in tensors if k.startswith("confidence_head.") and k.endswith("bias"))]
     save_file(tensors, path, metadata={"format": "pt"})
-    torch.save({conv_case: cases[conv_case]}, tmp_path / "cases.pt")
-    done, theirs = _theirs(tmp_path)
-    assert done.returncode == 0, done.stderr[-4000:]
-    row = parity.compare({conv_case: ours[conv_case]}, theirs)[conv_case]
+    row = parity.compare({conv_case: ours[conv_case]},
+                         parity.theirs(VLLM, {conv_case: cases[conv_case]}, tmp_path))[conv_case]
     assert row["conv"] > 1e-3 and not row["within_tolerance"], row
-    torch.save({dspark_case: cases[dspark_case]}, tmp_path / "cases.pt")
-    done, theirs = _theirs(tmp_path)
-    if done.returncode == 0:
-        row = parity.compare({dspark_case: ours[dspark_case]}, theirs)[dspark_case]
-        assert row["unset_by_load_weights"] and not row["within_tolerance"], row
+    try:
+        theirs = parity.theirs(VLLM, {dspark_case: cases[dspark_case]}, tmp_path)
+    except RuntimeError:  # refused by load_weights: caught too
+        return
+    row = parity.compare({dspark_case: ours[dspark_case]}, theirs)[dspark_case]
+    assert row["unset_by_load_weights"] and not row["within_tolerance"], row

@@ -41,6 +41,7 @@ from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
 from dflash2.confidence import Calibrator  # noqa: E402
 from dflash2.embedded import load_embedded  # noqa: E402
+from experiments.embedded.eval_humaneval import acceptance_curve  # noqa: E402 (P(round accepts >= k drafts))
 
 VARIANTS = {  # row name → (trained drafter directory, selector at decoding time or None: as trained)
     "DFlash-1": ("dflash1", None),
@@ -68,11 +69,6 @@ class Recording:
         draft = self.drafter.propose(cache, anchor, new_features, target, temperature, rng)
         self.rounds.append(draft.confidence)
         return draft
-
-
-def acceptance_by_position(lengths: list[int], block_size: int) -> list[float]:
-    """Share of rounds that accepted at least k draft tokens, k = 1..B-1 (a round commits accepted + 1)."""
-    return [sum(n - 1 >= k for n in lengths) / max(1, len(lengths)) for k in range(1, block_size)]
 
 
 def main() -> int:
@@ -143,15 +139,15 @@ def main() -> int:
 
     table = {}
     for suite in SUITES:
-        plain = results[suite]["plain decoding"]
-        plain_tps = plain["tokens"] / plain["total_s"]
+        base = results[suite]["plain decoding"]
+        plain_tps = base["tokens"] / base["total_s"]
         table[suite] = {"plain decoding": dict(tokens_per_s=plain_tps)}
         for name in drafters:
             r = results[suite][name]
             table[suite][name] = dict(
                 tau_greedy=sum(r["lengths"]) / len(r["lengths"]),
                 tau_sampled=sum(r["sampled"]) / len(r["sampled"]),
-                acceptance_by_position=acceptance_by_position(r["lengths"], B),
+                acceptance_by_position=acceptance_curve(r["lengths"], B),
                 draft_ms_per_round=1000 * r["draft_s"] / r["rounds"],
                 tokens_per_s=r["tokens"] / r["total_s"],
                 speedup=r["tokens"] / r["total_s"] / plain_tps,

@@ -103,8 +103,7 @@ def cases(out_dir: Path, seed: int = 0) -> tuple[dict, dict]:
                 first, steps = sel.lattice(cands, hidden, anchors)
                 tokens = torch.stack([dr.tokens for dr in drafts])
                 index = (cands.ids == tokens[..., None]).float().argmax(-1)  # [N, L]: the pick at each step
-                prev = torch.cat([torch.zeros(N, 1, dtype=torch.long), index[:, :-1]], 1)
-                rows = steps.gather(2, prev[:, 1:, None, None].expand(N, L - 1, 1, steps.shape[-1]))[:, :, 0]
+                rows = steps.gather(2, index[:, :-1, None, None].expand(N, L - 1, 1, steps.shape[-1]))[:, :, 0]
                 mine.update(cand_ids=cands.ids, cand_scores=cands.scores, path=list(tokens),
                             corrected=torch.cat([first[:, None], rows], 1),
                             confidence=torch.stack([dr.confidence for dr in drafts]) if drafts[0].confidence is not None
@@ -152,15 +151,20 @@ def compare(ours: dict, theirs: dict) -> dict:
     return rows
 
 
-def run(vllm_python: str, work: Path) -> dict:
-    all_cases, ours = cases(work)
+def theirs(vllm_python: str, all_cases: dict, work: Path) -> dict:
+    """worker.py's outputs for `all_cases`, run by `vllm_python` (RuntimeError with its stderr if it fails)."""
     torch.save(all_cases, work / "cases.pt")
     done = subprocess.run([vllm_python, str(Path(__file__).with_name("worker.py")), str(work / "cases.pt"),
                            str(work / "theirs.pt"), str(embedded_path("target"))], capture_output=True, text=True,
                           timeout=1200)
     if done.returncode != 0:
         raise RuntimeError(f"the vLLM worker failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
-    return compare(ours, torch.load(work / "theirs.pt"))
+    return torch.load(work / "theirs.pt")
+
+
+def run(vllm_python: str, work: Path) -> dict:
+    all_cases, ours = cases(work)
+    return compare(ours, theirs(vllm_python, all_cases, work))
 
 
 def markdown(rows: dict) -> str:
