@@ -125,9 +125,11 @@ def main() -> int:
                 row["rounds"] += out_g.num_rounds
                 row["tokens"] += out_g.new_tokens.numel()
                 row["total_s"] += out_g.total_s
-                for confidence, length in zip(rec.rounds, out_g.acceptance_lengths):
-                    if confidence is not None:  # verified: the whole draft (verify="path"); accepted: length - 1
-                        calibrators[name].observe(confidence, confidence.shape[0], min(length - 1, confidence.shape[0]))
+                # Every round but the last verified its whole draft (verify="path") and accepted length - 1 of it;
+                # the last may have been cut by the budget or a stop token, so what it verified is not known here.
+                for confidence, length in zip(rec.rounds[:-1], out_g.acceptance_lengths[:-1]):
+                    if confidence is not None:
+                        calibrators[name].observe(confidence, confidence.shape[0], length - 1)
                 g = torch.Generator().manual_seed(1000 + i)
                 out_s = spec_generate(drafter, target, ids, max_new_tokens=args.max_new_tokens, stop_token_ids=stops,
                                       generator=g, **SAMPLING)
