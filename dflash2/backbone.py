@@ -186,7 +186,7 @@ class DrafterLayer(nn.Module):
 class BlockDiffusionBackbone(nn.Module):
     """Target features → context K/V; block embeddings + context K/V → block hidden states.
 
-    fuse:            features [N, C, F] (F = len(target_layer_ids)·H) → [N, C, H]
+    fuse:            features [N, C, F] (F = config.feature_size: len(target_layer_ids)·H_t) → [N, C, H]
     extend_context:  appends the K/V of new context positions to a ContextCache
     forward:         block embeddings [N, T, H] at positions [T] → normed hidden states [N, T, H]
     """
@@ -195,7 +195,7 @@ class BlockDiffusionBackbone(nn.Module):
         super().__init__()
         H = config.hidden_size
         self.config = config
-        self.fc = nn.Linear(len(config.target_layer_ids) * H, H, bias=False)
+        self.fc = nn.Linear(config.feature_size, H, bias=False)
         self.hidden_norm = RMSNorm(H, config.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(H, config.rms_norm_eps)

@@ -6,7 +6,8 @@ equal the target's (hidden size, vocabulary) are filled in by `DFlash2Drafter.fr
 
 Dimension letters used across the package: N batch, T positions, B block size, L = B - 1 draft
 positions, C context positions, H hidden size, V vocabulary, K candidates per position, r selector
-rank, F = len(target_layer_ids) * H fused target feature width.
+rank, F = len(target_layer_ids) * H_t fused target feature width (H_t: the target's hidden size,
+`target_hidden_size`, which equals H unless the drafter has its own embedding and LM head).
 """
 
 from __future__ import annotations
@@ -77,6 +78,11 @@ class DFlash2Config:
     lilicorr_factor_dim: int = 64  # width of the outgoing / incoming unit vectors
     lilicorr_vector_eps: float = 1e-6
     lilicorr_logit_scale: float = 10.0  # λ: transition scores are λ × cosine
+    # -- a drafter narrower or wider than its target (the published target_hidden_size) ----------
+    target_hidden_size: int | None = None  # H_t of the target features the drafter reads (None: hidden_size)
+    own_embedding: bool = False  # the drafter embeds its block with its own [V, H] matrix (the checkpoint's
+    #                              embed_tokens), not the target's; needed when target_hidden_size != hidden_size
+    own_lm_head: bool = False  # the drafter's logits come from its own [V, H] head (lm_head), not the target's
     # -- draft vocabulary (FR-Spec style) --------------------------------------------------------
     draft_vocab_size: int | None = None  # the LM head drafts among this many token ids only (the drafter's
     #                                     `draft_vocab` buffer, e.g. a corpus's most frequent tokens); the
@@ -152,6 +158,16 @@ class DFlash2Config:
                        f"{name} must be a positive number, got {value!r}")
             _check(self.draft_vocab_size is None, "LiLiCorr reads the candidates' log-probabilities over the whole "
                                                   "vocabulary: no draft vocabulary (vLLM refuses one too)")
+        for name in ("own_embedding", "own_lm_head"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.target_hidden_size is not None:
+            _check(isinstance(self.target_hidden_size, int) and not isinstance(self.target_hidden_size, bool)
+                   and self.target_hidden_size >= 1,
+                   f"target_hidden_size must be None or a positive integer, got {self.target_hidden_size!r}")
+            _check(self.target_hidden_size == self.hidden_size or (self.own_embedding and self.own_lm_head),
+                   f"target_hidden_size {self.target_hidden_size} != hidden_size {self.hidden_size}: the target's "
+                   "embedding and LM head do not fit the drafter's width, so it needs its own (own_embedding: true, "
+                   "own_lm_head: true; a published checkpoint ships embed_tokens and lm_head)")
         _check(isinstance(self.attention_sink_bias, bool), f"attention_sink_bias must be true or false, got "
                                                            f"{self.attention_sink_bias!r}")
         _check(isinstance(self.rope_interleaved, bool), f"rope_interleaved must be true or false, got {self.rope_interleaved!r}")
@@ -187,6 +203,11 @@ class DFlash2Config:
         if self.draft_len is not None:
             _check(isinstance(self.draft_len, int) and not isinstance(self.draft_len, bool) and self.draft_len >= 1,
                    f"draft_len must be None or a positive integer, got {self.draft_len!r}")
+
+    @property
+    def feature_size(self) -> int:
+        """F: the width of the fused target features the drafter's fc reads."""
+        return len(self.target_layer_ids) * (self.target_hidden_size or self.hidden_size)
 
     @property
     def num_draft_positions(self) -> int:

@@ -8,7 +8,9 @@ One round of drafting (batch 1 at inference):
         (with a draft vocabulary, the head's rows of those V' ids only: logits [1, L, V'])
     (ids, U, hidden[1:], anchor) ──selector──► Draft(tokens [L], q or None)
 
-The drafter holds no embedding or LM head: it borrows the target's (frozen), through the adapter.
+The drafter holds no embedding or LM head: it borrows the target's (frozen), through the adapter;
+unless its config gives it its own (`own_embedding`, `own_lm_head`: a published checkpoint that ships
+`embed_tokens` / `lm_head`, which it must when its width differs from the target's, `target_hidden_size`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -65,6 +68,11 @@ class DFlash2Drafter(nn.Module):
         self.candidate_selector = build_selector(config)
         n = config.draft_vocab_size  # the token ids the LM head drafts among (None: all of them)
         self.register_buffer("draft_vocab", None if n is None else torch.arange(n))
+        # the drafter's own embedding and LM head (a checkpoint that ships them, e.g. one narrower than its
+        # target); None: it reads the target's
+        V, H = config.vocab_size, config.hidden_size
+        self.embed_tokens = nn.Embedding(V, H) if config.own_embedding else None
+        self.lm_head = nn.Linear(H, V, bias=False) if config.own_lm_head else None
 
     # -- construction ----------------------------------------------------------------------------
     @classmethod
@@ -96,15 +104,25 @@ class DFlash2Drafter(nn.Module):
         scale = adapter.embedding_scale() if "input_embedding_scale" not in fields else None
         if scale is not None:
             sizes["input_embedding_scale"] = scale
-        clash = sorted(k for k in ("hidden_size", "vocab_size", "num_target_layers") if k in fields
-                       and fields[k] != sizes[k])
+        clash = sorted(k for k in ("vocab_size", "num_target_layers") if k in fields and fields[k] != sizes[k])
         if clash:
             raise ValueError(f"{clash} must equal the target's ({[sizes[k] for k in clash]})")
+        if fields.get("hidden_size", adapter.hidden_size) != adapter.hidden_size:  # a narrower or wider drafter:
+            sizes.update(target_hidden_size=adapter.hidden_size, own_embedding=True, own_lm_head=True)  # its own
+            sizes.pop("head_dim"), sizes.pop("intermediate_size")  # embedding and head; its sizes, not the target's
         sizes.update(fields)
         if isinstance(sizes.get("mask_token_id"), int) and sizes["mask_token_id"] < 0:
             sizes["mask_token_id"] += sizes["vocab_size"]
         weight = target.get_input_embeddings().weight
-        return cls(DFlash2Config(**sizes)).to(device=weight.device, dtype=weight.dtype)
+        drafter = cls(DFlash2Config(**sizes)).to(device=weight.device, dtype=weight.dtype)
+        head = target.get_output_embeddings()
+        with torch.no_grad():  # an own embedding or head as wide as the target's starts as a copy of it
+            for own, theirs in ((drafter.embed_tokens, weight), (drafter.lm_head, getattr(head, "weight", None))):
+                if own is not None and theirs is not None and own.weight.shape == theirs.shape:
+                    own.weight.copy_(theirs)
+                elif own is not None:  # another width: random, at the scale of the target's rows
+                    nn.init.normal_(own.weight, std=float(weight.float().std()))
+        return drafter
 
     def save_pretrained(self, directory: str | Path, *, format: str = "dflash2") -> None:
         """Write `config.json` and `model.safetensors` (HF-style directory).
@@ -144,7 +162,12 @@ class DFlash2Drafter(nn.Module):
                 raise FileNotFoundError(f"{directory / name} does not exist")
         meta = json.loads((directory / CONFIG_NAME).read_text())
         if meta_only:
-            config = (reference_format.config_from_reference(meta) if reference_format.is_reference(meta)
+            weights = directory / WEIGHTS_NAME  # its tensor names (not their data), when the file is there
+            names = None
+            if weights.is_file():
+                with safe_open(str(weights), framework="pt") as f:
+                    names = list(f.keys())
+            config = (reference_format.config_from_reference(meta, names) if reference_format.is_reference(meta)
                       else DFlash2Config.from_dict({k: v for k, v in meta.items() if k != "architectures"}))
             declared = reference_format.DTYPES.get(meta.get("dtype") or meta.get("torch_dtype"), torch.float32)
             with torch.device("meta"):
@@ -152,7 +175,7 @@ class DFlash2Drafter(nn.Module):
         state = load_file(str(directory / WEIGHTS_NAME))
         stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
         if reference_format.is_reference(meta):
-            config = reference_format.config_from_reference(meta)
+            config = reference_format.config_from_reference(meta, state.keys())
             model = cls(config).to(stored)
             state = reference_format.state_from_reference(state, model.state_dict(), reference_format.architecture(meta))
         else:
@@ -272,12 +295,16 @@ class DFlash2Drafter(nn.Module):
         return self.config.block_size
 
     def check_target(self, target: TargetAdapter) -> None:
-        """The target must have the hidden size, vocabulary and number of layers this drafter was built for."""
-        for name, theirs in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
-                             ("num_target_layers", target.num_layers)):
-            ours = getattr(self.config, name)
+        """The target must have the hidden size (the drafter's target_hidden_size, else its own),
+        vocabulary and number of layers this drafter was built for."""
+        c = self.config
+        width = ("target_hidden_size", c.target_hidden_size) if c.target_hidden_size is not None else \
+            ("hidden_size", c.hidden_size)
+        for (name, ours), theirs in ((width, target.hidden_size), (("vocab_size", c.vocab_size), target.vocab_size),
+                                     (("num_target_layers", c.num_target_layers), target.num_layers)):
             if ours != theirs:
-                raise ValueError(f"drafter and target do not fit: drafter {name} = {ours}, target {name} = {theirs}")
+                raise ValueError(f"drafter and target do not fit: drafter {name} = {ours}, target "
+                                 f"{name.removeprefix('target_')} = {theirs}")
 
     @property
     def target_layer_ids(self) -> tuple[int, ...]:
@@ -378,7 +405,7 @@ class DFlash2Drafter(nn.Module):
         s = self._round(cache.keys, cache.values, new_features.to(dtype), torch.arange(start, length, device=device),
                         self.embed_block(ids, target), torch.arange(length, length + B, device=device),
                         torch.arange(length - kept, length + B, device=device),  # the context it sees, the block
-                        target.head_weights(dtype, self.draft_vocab), torch.tensor(anchor, device=device), lattice)
+                        self.head_weights(target, dtype), torch.tensor(anchor, device=device), lattice)
         cache.keys, cache.values, cache.length = s.keys, s.values, length
         reads = self.candidate_selector.reads_context
         if s.cands is None:  # a head with its own forward, or a selector that reads the round's context:
@@ -475,20 +502,39 @@ class DFlash2Drafter(nn.Module):
         return {"context": context} if self.candidate_selector.reads_context else {}
 
     def embed_block(self, block_ids: Tensor, target: TargetAdapter) -> Tensor:
-        """block ids [...] → [..., H]: rows of the target's embedding matrix × input_embedding_scale."""
-        x = target.embed(block_ids).to(self.backbone.fc.weight.dtype)
+        """block ids [...] → [..., H]: rows of the embedding matrix (the drafter's own, else the target's)
+        × input_embedding_scale."""
+        if self.embed_tokens is not None:
+            x = F.embedding(block_ids, self.embed_tokens.weight)
+        else:
+            x = target.embed(block_ids).to(self.backbone.fc.weight.dtype)
         scale = self.config.input_embedding_scale
         return x if scale is None else x * scale
 
+    def head_weights(self, target: TargetAdapter, dtype: torch.dtype) -> tuple[Tensor, Tensor | None] | None:
+        """The LM head the draft logits come from, as (weight [V or V', H], bias or None) in `dtype` (the
+        draft vocabulary's rows when there is one): the drafter's own, else the target's (None for a
+        target head with its own forward, which only `draft_logits` runs)."""
+        if self.lm_head is None:
+            return target.head_weights(dtype, self.draft_vocab)
+        weight = self.lm_head.weight if self.draft_vocab is None else self.lm_head.weight[self.draft_vocab]
+        return weight.to(dtype), None
+
     def draft_logits(self, hidden: Tensor, target: TargetAdapter, vocab: Tensor | None = None) -> Tensor:
-        """hidden [..., H] → logits [..., V] through the target's LM head (or [..., V'] of the token ids
-        `vocab` [V'] only), then the reference's output multiplier and soft-capping when configured."""
-        return self._finish_logits(target.lm_logits(hidden, vocab))
+        """hidden [..., H] → logits [..., V] through the LM head (the drafter's own, else the target's; or
+        [..., V'] of the token ids `vocab` [V'] only), then the reference's output multiplier and
+        soft-capping when configured."""
+        if self.lm_head is None:
+            return self._finish_logits(target.lm_logits(hidden, vocab))
+        weight = self.lm_head.weight if vocab is None else self.lm_head.weight[vocab]
+        return self._finish_logits(F.linear(hidden, weight))
 
     def candidate_logits(self, hidden: Tensor, cand: Tensor, target: TargetAdapter) -> Tensor:
         """hidden [..., H], cand [..., K] token ids → [..., K]: the draft logits of those tokens only
         (equal to draft_logits(hidden).gather(-1, cand), without the [..., V] logits)."""
-        return self._finish_logits(target.lm_logits_at(hidden, cand))
+        if self.lm_head is None:
+            return self._finish_logits(target.lm_logits_at(hidden, cand))
+        return self._finish_logits(torch.einsum("...h,...kh->...k", hidden, F.embedding(cand, self.lm_head.weight)))
 
     def _finish_logits(self, logits: Tensor) -> Tensor:
         """The reference's output multiplier and soft-capping, when configured."""

@@ -27,6 +27,7 @@ field for field (docs/checkpoints.md lists every field and what is added on expo
 from __future__ import annotations
 
 import functools
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ V1, V2, DSPARK, LILICORR = "DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSpark
 ARCHITECTURES = (V1, V2, DSPARK, LILICORR)
 DSPARK_ALIAS = "DSparkDraftModel"  # vLLM reads it as Qwen3DSparkModel when model_type is qwen3
 PREFIX = "backbone."
+OWN_MODULES = ("embed_tokens.", "lm_head.")  # the drafter's own embedding and LM head: the same names in both
 SELECTOR = "candidate_selector."
 # where each format keeps the selector's tensors (ours: candidate_selector.*)
 SELECTOR_PREFIX = {V2: SELECTOR, DSPARK: "", LILICORR: "lilicorr."}
@@ -52,8 +54,8 @@ SIZES = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
 V2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 OPTIONS = ("output_multiplier", "final_logit_softcapping", "input_embedding_scale")
 # top-level fields whose presence in an imported config is remembered, to write back the same set
-TRACKED = ("rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "layer_types", "sliding_window",
-           "use_sliding_window", "is_causal", "dtype", "torch_dtype", "is_neox_style")
+TRACKED = ("has_own_lm_head", "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor", "layer_types",
+           "sliding_window", "use_sliding_window", "is_causal", "dtype", "torch_dtype", "is_neox_style")
 SINK_TOP_LEVEL = "add_swa_attention_sink_bias"  # the sink flag's top-level name (MiMo-style configs)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -71,9 +73,13 @@ def is_reference(meta: dict[str, Any]) -> bool:
     return architecture(meta) is not None
 
 
-def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
+def config_from_reference(meta: dict[str, Any], tensor_names: Collection[str] | None = None) -> DFlash2Config:
     """A reference config.json → DFlash2Config (v1: no conv, argmax; v2: two-tap conv, walk; DSpark:
-    no conv, the Markov selector; LiLiCorr: the lattice transformer on either backbone)."""
+    no conv, the Markov selector; LiLiCorr: the lattice transformer on either backbone).
+
+    `tensor_names`: the checkpoint's tensor names, which decide (as in vLLM) whether the drafter has its
+    own embedding (`embed_tokens.weight`) and LM head (`lm_head.weight`; LiLiCorr: `has_own_lm_head`);
+    None (no weights at hand): it has them when `target_hidden_size` differs from `hidden_size`."""
     meta = dict(meta)
     arch = architecture(meta)
     declared = meta.pop("architectures")
@@ -98,11 +104,6 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
         raise ValueError("reference config has attention_bias: true; dflash2's drafter layers have no projection biases")
     if meta.get("hidden_act", "silu") != "silu":
         raise ValueError(f"reference config has hidden_act {meta['hidden_act']!r}; dflash2's MLP is SwiGLU (silu)")
-    narrow = meta.get("target_hidden_size")
-    if narrow is not None and narrow != meta.get("hidden_size"):
-        raise ValueError(f"reference config has target_hidden_size {narrow} != hidden_size {meta.get('hidden_size')}: a "
-                         "drafter narrower or wider than its target needs its own embedding and LM head, and dflash2's "
-                         "drafters borrow the target's (not supported yet)")
     qwen3 = _qwen3_defaults()
     fields: dict[str, Any] = {ours: meta.pop(theirs) if theirs in meta else getattr(qwen3, theirs)
                               for theirs, ours in SIZES.items()}
@@ -127,6 +128,7 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     if not fields.get("final_logit_softcapping"):  # the reference: a cap of 0 or null is off
         fields.pop("final_logit_softcapping", None)
     method_extra = _method_from_reference(arch, meta, dflash, fields, take)
+    _own_modules_from_reference(arch, meta, fields, tensor_names)
     fields["rope_parameters"] = _rope_from_reference(meta)
     # attention layout, as Qwen3Config resolves it
     use_window = bool(meta.pop("use_sliding_window", False))
@@ -170,6 +172,34 @@ def config_from_reference(meta: dict[str, Any]) -> DFlash2Config:
     return DFlash2Config(**fields)
 
 
+def _own_modules_from_reference(arch: str, meta: dict[str, Any], fields: dict[str, Any],
+                                tensor_names: Collection[str] | None) -> None:
+    """target_hidden_size and the drafter's own embedding / LM head, as vLLM reads them: the fc reads
+    len(target_layer_ids) × target_hidden_size features; a checkpoint that ships `embed_tokens` or
+    `lm_head` keeps its own (the engine shares the target's otherwise); LiLiCorr uses its own head iff
+    `has_own_lm_head` and always embeds its candidates with the target's matrix."""
+    width = meta.pop("target_hidden_size", None)
+    own_head_flag = bool(meta.pop("has_own_lm_head", False))
+    differs = width is not None and width != fields["hidden_size"]
+    if tensor_names is None:
+        own_embedding, own_head = differs, differs or own_head_flag
+    else:
+        own_embedding, own_head = "embed_tokens.weight" in tensor_names, "lm_head.weight" in tensor_names
+    if own_head_flag and not own_head:
+        raise ValueError("reference config has has_own_lm_head: true but the checkpoint has no lm_head.weight")
+    if arch == LILICORR:
+        if differs:
+            raise ValueError(f"LiLiCorr config has target_hidden_size {width} != hidden_size {fields['hidden_size']}: "
+                             "its candidates are embedded with the target's matrix, which must be as wide as the "
+                             "drafter (vLLM refuses the file too)")
+        if own_head and not own_head_flag:
+            raise ValueError("LiLiCorr checkpoint ships lm_head.weight without has_own_lm_head: true (vLLM would use "
+                             "the target's head and ignore it)")
+    if width is not None:
+        fields["target_hidden_size"] = int(width)
+    fields["own_embedding"], fields["own_lm_head"] = own_embedding, own_head
+
+
 def _method_from_reference(arch: str, meta: dict[str, Any], dflash: dict[str, Any], fields: dict[str, Any],
                            take) -> dict[str, Any]:
     """The conv and selector fields each architecture implies; returns what to remember for the export."""
@@ -210,8 +240,6 @@ def _method_from_reference(arch: str, meta: dict[str, Any], dflash: dict[str, An
     else:  # LILICORR
         if not dflash.pop("lilicorr_enabled", True):
             raise ValueError("LiLiCorr config has lilicorr_enabled: false (vLLM refuses it too)")
-        if meta.get("has_own_lm_head"):
-            raise ValueError("LiLiCorr config has has_own_lm_head: true; dflash2's drafters use the target's LM head")
         explicit = "conv_kernel_size" in dflash
         taps, groups = dflash.pop("conv_kernel_size", 0), dflash.pop("conv_group_size", 0)
         if bool(taps) != bool(groups):
@@ -321,6 +349,12 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
         dflash["attention_value_scale"] = config.attention_value_scale
     if config.attention_sink_bias:
         dflash[SINK_TOP_LEVEL if SINK_TOP_LEVEL in top_level else "attention_sink_bias"] = True
+    if config.target_hidden_size is not None:
+        meta["target_hidden_size"] = config.target_hidden_size
+    if config.own_lm_head and (arch == LILICORR or "has_own_lm_head" in present):
+        meta["has_own_lm_head"] = True
+    elif "has_own_lm_head" in present:
+        meta["has_own_lm_head"] = False
     if config.rope_interleaved or "is_neox_style" in present:
         meta["is_neox_style"] = not config.rope_interleaved
     for name in top_level:  # fields the imported file kept at the top level go back there
@@ -333,7 +367,10 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
 
 
 def _ours(name: str, arch: str) -> str:
-    """A published tensor name → ours (the selector's under candidate_selector., the rest under backbone.)."""
+    """A published tensor name → ours (the selector's under candidate_selector., the drafter's own
+    embed_tokens / lm_head as they are, the rest under backbone.)."""
+    if name.startswith(OWN_MODULES):
+        return name
     if arch == DSPARK and name.startswith(("markov_head.", "confidence_head.")):
         return SELECTOR + name
     if arch == LILICORR and name.startswith("lilicorr."):

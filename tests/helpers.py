@@ -297,14 +297,19 @@ def oracle_tree_drafter(block_size: int, reference: list[int], width: int, corru
 def random_reference_tensors(*, v2: bool, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int,
                              intermediate: int, n_features: int, vocab: int, taps: int = 2, group: int = 16,
                              rank: int = 8, seed: int = 0, scale: float = 0.2, base_offset: float = 0.0,
-                             codebook_scale: float = 1.0, codebook_suffix: str = "") -> dict[str, Tensor]:
+                             codebook_scale: float = 1.0, codebook_suffix: str = "", target_hidden: int | None = None,
+                             own_modules: bool = False) -> dict[str, Tensor]:
     """Random float64 tensors under the published DFlash / DFlash 2 names and shapes (written from the
     published list, not through dflash2's mapping): norms 1 + N(0, scale²), everything else N(0, scale²);
-    conv base kernels shifted by `base_offset`, codebooks scaled by `codebook_scale`."""
+    conv base kernels shifted by `base_offset`, codebooks scaled by `codebook_scale`. `target_hidden`:
+    the target's width (fc reads n_features × it; default `hidden`); `own_modules`: the drafter ships its
+    own `embed_tokens` and `lm_head` ([vocab, hidden], N(0, 1))."""
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g, dtype=torch.float64) * scale  # noqa: E731
     H = hidden
-    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, n_features * H), "hidden_norm.weight": 1 + r(H)}
+    t = {"norm.weight": 1 + r(H), "fc.weight": r(H, n_features * (target_hidden or H)), "hidden_norm.weight": 1 + r(H)}
+    if own_modules:
+        t |= {"embed_tokens.weight": r(vocab, H) / scale, "lm_head.weight": r(vocab, H) / scale}
     for i in range(layers):
         p = f"layers.{i}."
         t |= {p + "self_attn.q_proj.weight": r(heads * head_dim, H), p + "self_attn.k_proj.weight": r(kv_heads * head_dim, H),

@@ -46,12 +46,16 @@ METHODS = {
                                                                                  "lilicorr_num_heads": 2}},
     "lilicorr-eps": {**LILICORR, "dflash_config": LILICORR["dflash_config"] | {"lilicorr_vector_eps": 5.0,
                                                                               "lilicorr_logit_scale": 3.0}},
+    # the drafter's own LM head (LiLiCorr: has_own_lm_head; its candidates still embed with the target's
+    # matrix), and a DSpark drafter narrower than its target (own embed_tokens and lm_head)
+    "lilicorr-own-head": LILICORR | {"has_own_lm_head": True},
+    "dspark-narrow": DSPARK | {"enable_confidence_head": True, "hidden_size": 16, "target_hidden_size": H},
 }
 
 
 def method_config(name: str, layout: dict | None = None) -> dict:
     extra = copy.deepcopy(METHODS[name]) | copy.deepcopy(layout or {})
-    cfg = {"model_type": "qwen3", "hidden_size": H, "intermediate_size": INTER, "num_hidden_layers": 2,
+    cfg = {"model_type": "qwen3", "hidden_size": extra.pop("hidden_size", H), "intermediate_size": INTER, "num_hidden_layers": 2,
            "num_attention_heads": HEADS, "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-6,
            "max_position_embeddings": 256, "vocab_size": VOCAB, "num_target_layers": 4, "dtype": "float64",
            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "block_size": B,
@@ -62,10 +66,14 @@ def method_config(name: str, layout: dict | None = None) -> dict:
 
 def method_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     r = ref.resolve(cfg)
-    t = random_reference_tensors(v2=r["v2"], layers=cfg["num_hidden_layers"], hidden=H, heads=HEADS, kv_heads=KV,
-                                 head_dim=HD, intermediate=INTER, n_features=len(LAYER_IDS), vocab=VOCAB, taps=TAPS,
-                                 group=GROUP, rank=RANK, seed=seed, scale=0.3, base_offset=0.5)
+    t = random_reference_tensors(v2=r["v2"], layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], heads=HEADS,
+                                 kv_heads=KV, head_dim=HD, intermediate=INTER, n_features=len(LAYER_IDS), vocab=VOCAB,
+                                 taps=TAPS, group=GROUP, rank=RANK, seed=seed, scale=0.3, base_offset=0.5,
+                                 target_hidden=cfg.get("target_hidden_size"), own_modules="target_hidden_size" in cfg)
     t = {k: v for k, v in t.items() if not k.startswith("candidate_selector.")}  # DFlash 2's codebooks: not theirs
+    if cfg.get("has_own_lm_head"):
+        t["lm_head.weight"] = torch.randn(VOCAB, cfg["hidden_size"], generator=torch.Generator().manual_seed(seed + 2),
+                                          dtype=torch.float64)
     return t | random_selector_tensors(r["method"], cfg, seed + 1)
 
 
@@ -78,10 +86,14 @@ def write(path, cfg: dict, tensors: dict) -> DFlash2Drafter:
 
 def compare(drafter: DFlash2Drafter, cfg: dict, tensors: dict, seed: int = 0) -> dict[str, float]:
     """Decode-like rounds on one ContextCache against the reference → the largest hidden-state,
-    confidence and score differences and the number of draft tokens that differ."""
+    confidence and score differences and the number of draft tokens that differ. The block embeds with
+    the checkpoint's embed_tokens and drafts through its lm_head where it ships them; LiLiCorr's
+    candidates always embed with the target's matrix (vLLM's speculator)."""
     target = tiny_target("qwen3")
     adapter = TargetAdapter(target, drafter.target_layer_ids)
-    embedding, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    embedding = target.get_input_embeddings().weight.detach()
+    block_embedding = tensors.get("embed_tokens.weight", embedding)
+    head = tensors.get("lm_head.weight", target.get_output_embeddings().weight.detach())
     everything = features(sum(ROUNDS), seed)
     anchors = torch.randint(0, MASK, (len(ROUNDS),), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     cache, start = drafter.new_cache(), 0
@@ -92,7 +104,7 @@ def compare(drafter: DFlash2Drafter, cfg: dict, tensors: dict, seed: int = 0) ->
             draft = drafter.propose(cache, anchor, everything[None, start:start + n], adapter, 0.0, None)
             ours = drafter.block_hidden(cache, anchor, adapter)[0]
         start += n
-        want = ref.block_hidden(cfg, tensors, embedding, everything[:start], anchor)
+        want = ref.block_hidden(cfg, tensors, block_embedding, everything[:start], anchor)
         out["hidden"] = max(out["hidden"], float((ours - want).abs().max()))
         anchor_hidden = ref.rms(everything[start - 1] @ tensors["fc.weight"].T, tensors["hidden_norm.weight"], eps)
         expected = ref.drafts(cfg, tensors, want, head, anchor, embedding, anchor_hidden)
@@ -268,7 +280,7 @@ def test_the_method_parity_check_fails_on_mutants(tmp_path, mutant):
     ("lilicorr-dflash1", lambda c: c["dflash_config"].update(lilicorr_enabled=False), "lilicorr_enabled"),
     ("lilicorr-dflash1", lambda c: c["dflash_config"].pop("lilicorr_factor_dim"), "lilicorr_factor_dim"),
     ("lilicorr-dflash1", lambda c: c["dflash_config"].update(conv_kernel_size=2), "both or neither"),
-    ("lilicorr-dflash1", lambda c: c.update(has_own_lm_head=True), "has_own_lm_head"),
+    ("lilicorr-dflash1", lambda c: c.update(target_hidden_size=2 * H), "embedded with the target's matrix"),
     ("lilicorr-dflash1", lambda c: c["dflash_config"].update(lilicorr_candidate_topk=3), "power of two"),
 ])
 def test_unsupported_or_broken_method_configs_are_refused_clearly(method, edit, message):
@@ -285,6 +297,10 @@ def test_unsupported_or_broken_method_configs_are_refused_clearly(method, edit, 
                                                   torch.zeros(1, H + RANK, dtype=torch.float64)), "wrong shapes"),
     ("lilicorr-dflash1", lambda t: t.pop("lilicorr.layers.1.attn.in_proj_bias"), "missing"),
     ("lilicorr-dflash1", lambda t: t.__setitem__("lilicorr.token_proj.weight", torch.zeros(H, H)), "unused"),
+    ("lilicorr-own-head", lambda t: t.pop("lm_head.weight"), "has_own_lm_head: true but the checkpoint has no lm_head"),
+    ("lilicorr-dflash1", lambda t: t.__setitem__("lm_head.weight", torch.zeros(VOCAB, H, dtype=torch.float64)),
+     "without has_own_lm_head: true"),
+    ("dspark-narrow", lambda t: t.pop("embed_tokens.weight"), "target_hidden_size 32 != hidden_size 16"),
 ])
 def test_method_checkpoints_load_strictly(tmp_path, method, edit, message):
     cfg = method_config(method)

@@ -92,11 +92,14 @@ def reference_config(version: int, overrides: dict) -> dict:
     return cfg | overrides
 
 
-def reference_tensors(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+def reference_tensors(cfg: dict, seed: int = 0, own_modules: bool = False) -> dict[str, torch.Tensor]:
+    """Random tensors for `cfg` (its width; fc as wide as its target_hidden_size), with the drafter's own
+    embed_tokens and lm_head when `own_modules`."""
     t = random_reference_tensors(v2="DFlash2DraftModel" in cfg["architectures"], layers=cfg["num_hidden_layers"],
-                                 hidden=H, heads=HEADS, kv_heads=KV, head_dim=HD, intermediate=INTER,
+                                 hidden=cfg["hidden_size"], heads=HEADS, kv_heads=KV, head_dim=HD, intermediate=INTER,
                                  n_features=len(LAYER_IDS), vocab=VOCAB, taps=TAPS, group=GROUP, rank=RANK,
-                                 seed=seed, scale=0.3, base_offset=0.5, codebook_scale=3.0)
+                                 seed=seed, scale=0.3, base_offset=0.5, codebook_scale=3.0,
+                                 target_hidden=cfg.get("target_hidden_size"), own_modules=own_modules)
     if ref.resolve(cfg)["sinks"]:  # vLLM's per-head sink logits, one vector per layer (large: they must matter)
         g = torch.Generator().manual_seed(seed + 100)
         for i in range(cfg["num_hidden_layers"]):
@@ -117,10 +120,13 @@ def features(n: int, seed: int) -> torch.Tensor:
 
 def compare_rounds(drafter: DFlash2Drafter, cfg: dict, tensors: dict, seed: int = 0) -> tuple[float, int, int]:
     """Decode-like rounds on one ContextCache against the reference recomputed from scratch each round
-    → (largest hidden-state difference, draft tokens that differ, draft tokens compared)."""
+    → (largest hidden-state difference, draft tokens that differ, draft tokens compared). The reference
+    embeds and drafts with the checkpoint's own embed_tokens / lm_head where it ships them (as vLLM
+    keeps them), else with the target's."""
     target = tiny_target("qwen3")
     adapter = TargetAdapter(target, drafter.target_layer_ids)
-    embedding, head = target.get_input_embeddings().weight.detach(), target.get_output_embeddings().weight.detach()
+    embedding = tensors.get("embed_tokens.weight", target.get_input_embeddings().weight.detach())
+    head = tensors.get("lm_head.weight", target.get_output_embeddings().weight.detach())
     everything = features(sum(ROUNDS), seed)
     anchors = torch.randint(0, MASK, (len(ROUNDS),), generator=torch.Generator().manual_seed(seed + 1)).tolist()
     cache, worst, differ, total, start = drafter.new_cache(), 0.0, 0, 0, 0
@@ -481,8 +487,99 @@ def test_gemma_targets_scale_the_raw_embedding_matrix_explicitly():
     assert DFlash2Drafter.from_target(tiny_target("qwen3"), mask_token_id=MASK).config.input_embedding_scale is None
 
 
-def test_a_drafter_narrower_than_its_target_is_refused_clearly():
-    cfg = reference_config(2, {"target_hidden_size": 2 * H})
-    with pytest.raises(ValueError, match=r"target_hidden_size 64 != hidden_size 32: .*own embedding and LM head"):
-        config_from_reference(cfg)
-    assert config_from_reference(reference_config(2, {"target_hidden_size": H})).hidden_size == H  # equal: read
+# -- target_hidden_size: a drafter narrower or wider than its target, with its own embedding and head --
+WIDTHS = {"narrower": 16, "wider": 48, "as-wide-own-modules": H}  # the target (tiny_target) is H = 32 wide
+
+
+@pytest.mark.parametrize("version", [1, 2], ids=["v1", "v2"])
+@pytest.mark.parametrize("width", WIDTHS)
+def test_a_drafter_of_another_width_drafts_the_published_semantics(tmp_path, width, version):
+    cfg = reference_config(version, {"hidden_size": WIDTHS[width], "target_hidden_size": H})
+    tensors = reference_tensors(cfg, seed=7, own_modules=True)
+    drafter = write(tmp_path, cfg, tensors)
+    assert drafter.backbone.fc.weight.shape == (WIDTHS[width], len(LAYER_IDS) * H)
+    assert drafter.config.own_embedding and drafter.config.own_lm_head
+    worst, differ, total = compare_rounds(drafter, cfg, tensors, seed=7)
+    assert worst < 1e-10 and differ == 0, f"{width}: hidden states off by {worst:.2e}, {differ}/{total} drafts differ"
+
+
+def _without_own(name):
+    def mutant(cfg, path, t):  # a reader that shares the target's module although the checkpoint ships its own
+        drafter = write(path, cfg, t)
+        setattr(drafter, name, None)
+        return drafter
+    return mutant
+
+
+@pytest.mark.parametrize("name", ["embed_tokens", "lm_head"])
+def test_the_parity_check_fails_when_a_shipped_embedding_or_head_is_ignored(tmp_path, name):
+    cfg = reference_config(2, {"target_hidden_size": H})
+    tensors = reference_tensors(cfg, seed=7, own_modules=True)
+    assert compare_rounds(write(tmp_path / "right", cfg, tensors), cfg, tensors, seed=7)[0] < 1e-10
+    worst, differ, _ = compare_rounds(_without_own(name)(cfg, tmp_path / "mutant", tensors), cfg, tensors, seed=7)
+    assert worst > 1e-3 or differ > 0, f"ignoring the shipped {name}: the parity check passes"
+
+
+def test_a_narrower_drafter_holds_in_batches_in_training_and_stays_lossless(tmp_path):
+    cfg = reference_config(2, LAYOUTS["mixed-W5-noncausal"] | {"hidden_size": 16, "target_hidden_size": H})
+    tensors = reference_tensors(cfg, seed=8, own_modules=True)
+    drafter = write(tmp_path, cfg, tensors)
+    target = tiny_target("qwen3")
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    embedding = tensors["embed_tokens.weight"]
+    context, everything = drafter.new_context_batch(), [features(14, s) for s in range(2)]
+    context.add_rows(2)
+    news = [everything[r][None, :n] for r, n in enumerate([9, 12])]
+    with torch.no_grad():
+        drafter.propose_batch(context, [5, 17], news, adapter, 0.0, None)
+        hidden, *_ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
+    for r, (anchor, n) in enumerate(zip([5, 17], [9, 12])):
+        want = ref.block_hidden(cfg, tensors, embedding, everything[r][:n], anchor)
+        torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
+    ids = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(5))
+    feats, anchors = features(20, 6)[None], torch.tensor([[1, 7, 12]])
+    with torch.no_grad():
+        out = masked_block_forward(drafter, adapter, ids, feats, anchors)
+    for j, a in enumerate(anchors[0].tolist()):
+        want = ref.block_hidden(cfg, tensors, embedding, feats[0, :a], int(ids[0, a]))
+        torch.testing.assert_close(out.hidden[0, j], want[1:], rtol=0, atol=1e-10)
+        torch.testing.assert_close(out.logits[0, j], want[1:] @ tensors["lm_head.weight"].T, rtol=0, atol=1e-10)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    for verify in ("path", "tree"):
+        got = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=16, verify=verify)
+        assert got.sequences[0].tolist() == hf_greedy(target, prompt, 16)
+    batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=12)
+    assert [r.sequences[0].tolist() for r in batch] == [hf_greedy(target, p, 12) for p in (prompt, prompt[::-1])]
+
+
+def test_a_narrower_drafter_of_ours_exports_its_width_and_modules(tmp_path):
+    torch.manual_seed(0)
+    d = DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                                   block_size=B, mask_token_id=MASK, selector_top_k=TOP_K, selector_rank=RANK).double()
+    assert (d.config.target_hidden_size, d.config.own_embedding, d.config.own_lm_head) == (H, True, True)
+    d.save_pretrained(tmp_path, format="reference")
+    out = json.loads((tmp_path / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert out["hidden_size"] == 16 and out["target_hidden_size"] == H and "has_own_lm_head" not in out
+    assert tensors["embed_tokens.weight"].shape == tensors["lm_head.weight"].shape == (VOCAB, 16)
+    assert tensors["fc.weight"].shape == (16, len(d.target_layer_ids) * H)
+    again = DFlash2Drafter.from_pretrained(tmp_path)
+    worst, differ, _ = compare_rounds(again, out, tensors)
+    assert worst < 1e-10 and differ == 0
+    assert reference_from_config(config_from_reference(out, tensors), torch.float64) == out  # field for field
+
+
+def test_target_hidden_size_and_own_modules_are_checked_clearly(tmp_path):
+    narrow = reference_config(2, {"hidden_size": 16, "target_hidden_size": H})
+    tensors = reference_tensors(narrow, own_modules=True)
+    for missing in ("embed_tokens.weight", "lm_head.weight"):
+        with pytest.raises(ValueError, match=r"target_hidden_size 32 != hidden_size 16: .*own_embedding: true"):
+            config_from_reference(narrow, [k for k in tensors if k != missing])
+    config = config_from_reference(narrow)  # no weights at hand: a narrower drafter has both
+    assert (config.target_hidden_size, config.own_embedding, config.own_lm_head) == (H, True, True)
+    equal = config_from_reference(reference_config(2, {"target_hidden_size": H}), [])
+    assert (equal.target_hidden_size, equal.own_embedding, equal.own_lm_head) == (H, False, False)
+    with pytest.raises(ValueError, match="has_own_lm_head: true but the checkpoint has no lm_head.weight"):
+        config_from_reference(reference_config(2, {"has_own_lm_head": True}), [])
+    with pytest.raises(ValueError, match=r"target_hidden_size 32 != hidden_size 16"):
+        DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=16, own_embedding=False, mask_token_id=MASK)

@@ -211,8 +211,11 @@ def full_losses(d, adapter, out, target_logits, gamma, alpha):
     return backbone + alpha * selector
 
 
+NARROW = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=1)  # its own embedding and LM head, trained
+
+
 @pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft_targets"])
-@pytest.mark.parametrize("options", [{}, REFERENCE_OPTIONS], ids=["plain", "reference_options"])
+@pytest.mark.parametrize("options", [{}, REFERENCE_OPTIONS, NARROW], ids=["plain", "reference_options", "narrow_own_head"])
 def test_chunked_loss_and_gradients_equal_the_full_loss(soft, options):
     target = tiny_target("qwen3")
     target.requires_grad_(False)
@@ -244,6 +247,8 @@ def test_chunked_loss_and_gradients_equal_the_full_loss(soft, options):
     (chunked_loss, chunked_grads), (full_loss, full_grads) = results
     torch.testing.assert_close(chunked_loss, full_loss, rtol=0, atol=1e-10)
     assert chunked_grads.keys() == full_grads.keys() and len(full_grads) > 5
+    if options is NARROW:  # the drafter's own head and embedding train (the head through the chunked loss)
+        assert {"lm_head.weight", "embed_tokens.weight"} <= full_grads.keys()
     for name in full_grads:
         torch.testing.assert_close(chunked_grads[name], full_grads[name], rtol=0, atol=1e-10,
                                    msg=lambda m: f"{name}: {m}")
@@ -253,7 +258,7 @@ def test_chunked_loss_catches_a_wrong_gradient(monkeypatch):
     """Mutant: the backward forgets to scale by the incoming gradient (a loss weighted after the chunked
     cross-entropy would then train with the wrong weights); the equality test must see it."""
     def unscaled(ctx, g):
-        (grad,) = ctx.saved_tensors
+        grad, *_ = ctx.saved_tensors
         return grad, None, None
 
     target = tiny_target("qwen3")
@@ -273,6 +278,28 @@ def test_chunked_loss_catches_a_wrong_gradient(monkeypatch):
         loss = drafter_losses(d, adapter, out._replace(hidden=h), gamma=4.0, chunk=5).total
         grads.append(torch.autograd.grad(loss, hidden)[0])
     assert not torch.allclose(grads[0], grads[1])
+
+
+def test_chunked_loss_catches_a_frozen_own_head(monkeypatch):
+    """Mutant: the chunked loss trains the rows but not a drafter's own LM head (the head's gradient would
+    be silently zero, or only the selector's share); the equality test must see it."""
+    target = tiny_target("qwen3")
+    d = trained_looking_drafter(target, "none", "argmax", None, **NARROW)
+    adapter = TargetAdapter(target, d.target_layer_ids)
+    ids = torch.randint(0, MASK, (1, 20), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        feats = torch.cat([target(input_ids=ids, output_hidden_states=True).hidden_states[i + 1]
+                           for i in d.target_layer_ids], -1)
+    grads = []
+    for patch in (False, True):
+        if patch:
+            apply = training._RowwiseLoss.apply
+            monkeypatch.setattr(training._RowwiseLoss, "apply", lambda rows, fn, chunk, *params: apply(rows, fn, chunk))
+        d.zero_grad()
+        out = masked_block_forward(d, adapter, ids, feats, torch.tensor([[3, 9]]), logits=False)
+        drafter_losses(d, adapter, out, gamma=4.0, chunk=5).total.backward()
+        grads.append(d.lm_head.weight.grad)
+    assert grads[0] is not None and grads[0].abs().sum() > 0 and grads[1] is None
 
 
 def test_masked_anchors_only_where_the_next_token_is_a_label():

@@ -157,12 +157,14 @@ def position_weights(L: int, gamma: float | None, device=None, dtype: torch.dtyp
 
 class _RowwiseLoss(torch.autograd.Function):
     """loss [M] = row_loss(hidden [M, H]) computed CHUNK rows at a time, for a row_loss in which row i's
-    loss depends on hidden[i] only (a cross-entropy through a frozen head). Each chunk's [CHUNK, V]
+    loss depends on hidden[i] only (a cross-entropy through the LM head). Each chunk's [CHUNK, V]
     logits exist only inside the chunk: the gradient of the chunk's loss with respect to its rows is
-    taken in the forward pass and kept ([M, H]); backward scales it by the incoming gradient."""
+    taken in the forward pass and kept ([M, H]); backward scales it by the incoming gradient.
+    `params`: trainable tensors row_loss also reads (a drafter's own LM head); their gradient needs the
+    incoming one, so backward recomputes each chunk once more for them (a frozen head costs nothing)."""
 
     @staticmethod
-    def forward(ctx, hidden: Tensor, row_loss, chunk: int) -> Tensor:
+    def forward(ctx, hidden: Tensor, row_loss, chunk: int, *params: Tensor) -> Tensor:
         M = hidden.shape[0]
         out = hidden.new_empty(M, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
         grad = torch.zeros_like(hidden) if hidden.requires_grad else None
@@ -173,13 +175,26 @@ class _RowwiseLoss(torch.autograd.Function):
                 if grad is not None:
                     (grad[s: s + chunk],) = torch.autograd.grad(loss.sum(), h)
             out[s: s + chunk] = loss.detach()
-        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0))
+        ctx.row_loss, ctx.chunk = row_loss, chunk
+        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0), hidden.detach(), *params)
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        (grad,) = ctx.saved_tensors
-        return grad * g[:, None].to(grad.dtype), None, None
+        grad, hidden, *params = ctx.saved_tensors
+        param_grads: list[Tensor | None] = [None] * len(params)
+        if any(ctx.needs_input_grad[3:]):
+            param_grads = [torch.zeros_like(p) for p in params]
+            for s in range(0, hidden.shape[0], ctx.chunk):
+                with torch.enable_grad():
+                    loss = ctx.row_loss(hidden[s: s + ctx.chunk], slice(s, s + ctx.chunk))
+                    parts = torch.autograd.grad((loss * g[s: s + ctx.chunk].to(loss.dtype)).sum(), params,
+                                                allow_unused=True)
+                for total, part in zip(param_grads, parts):
+                    if part is not None:
+                        total += part
+        row_grad = grad * g[:, None].to(grad.dtype) if grad.numel() else None
+        return row_grad, None, None, *param_grads
 
 
 LOSS_CHUNK_ELEMENTS = 2**24  # logits alive at once in the loss: its memory bound (64 MB a tensor in float32)
@@ -213,29 +228,30 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     rows = out.hidden.reshape(-1, H)  # [M, H], M = N·A·L
     labels = out.labels.reshape(-1)
     t_rows = None if target_hidden is None else target_hidden.reshape(rows.shape[0], -1)
-    top1 = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
-    cand = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
-    log_z = torch.zeros(rows.shape[0], device=rows.device)  # of the draft logits: the candidates' log-probabilities
+    top1_rows = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    cand_rows = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
+    log_z_rows = torch.zeros(rows.shape[0], device=rows.device)  # of the draft logits: the candidates' log-probabilities
 
     def row_loss(h: Tensor, s: slice) -> Tensor:
         logits = _wide(drafter.draft_logits(h, target))
         logp = logits.log_softmax(-1)  # [m, V]
         with torch.no_grad():
-            top1[s] = logp.argmax(-1) == labels[s]
-            cand[s] = logp.topk(K, dim=-1).indices
-            log_z[s] = logits.float().logsumexp(-1)
+            top1_rows[s] = logp.argmax(-1) == labels[s]
+            cand_rows[s] = logp.topk(K, dim=-1).indices
+            log_z_rows[s] = logits.float().logsumexp(-1)
         if t_rows is None:
             return -logp.gather(-1, labels[s, None])[:, 0]
         with torch.no_grad():
             p = _wide(target.final_logits(t_rows[s])).softmax(-1)
         return -(p * logp).sum(-1)
 
-    per_pos = _RowwiseLoss.apply(rows, row_loss, chunk).view(N, A, L)
+    own_head = [] if drafter.lm_head is None or not drafter.lm_head.weight.requires_grad else [drafter.lm_head.weight]
+    per_pos = _RowwiseLoss.apply(rows, row_loss, chunk, *own_head).view(N, A, L)
     m = out.weights.to(per_pos.dtype)
     w = position_weights(L, gamma, rows.device, per_pos.dtype) * m
     den_b, den_s = denominators if denominators is not None else (float(w.sum()), float(m.sum()))
     backbone = (per_pos * w).sum() / max(den_b, 1e-12)
-    top1, cand = top1.view(N, A, L), cand.view(N, A, L, K)
+    top1, cand = top1_rows.view(N, A, L), cand_rows.view(N, A, L, K)  # (the closure keeps writing the rows)
     covered = (cand == out.labels[..., None]).any(-1)
     count = max(float(m.sum()), 1e-12)
     by_pos = (top1 * m).sum((0, 1)) / m.sum((0, 1)).clamp_min(1e-12)
@@ -257,7 +273,7 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
         if callable(getattr(sel, "edge_scores", None)):
             scores = unary + sel.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]  # [N, A, L, K]
         else:
-            scores = gold_path_scores(drafter, target, out, Candidates(cand, unary.detach()), log_z.view(N, A, L), gold)
+            scores = gold_path_scores(drafter, target, out, Candidates(cand, unary.detach()), log_z_rows.view(N, A, L), gold)
         ce = F.cross_entropy(_wide(scores).reshape(-1, scores.shape[-1]), gold.reshape(-1), reduction="none")
         selector = (ce * m.reshape(-1).to(ce.dtype)).sum() / max(den_s, 1e-12)
         with torch.no_grad():
