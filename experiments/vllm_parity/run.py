@@ -12,6 +12,8 @@ inputs drawn here. Compared in float32:
 
 * conv:       per layer, the grouped convolution around a fixed linear map (the attention side) and
               around the layer's own MLP (vLLM's Qwen3MLP against our SwiGLU): max |Δ|
+* fuse:       the target features' projection and norm (hidden_norm(fc(x)), x of len(target_layer_ids)
+              × the target's width): max |Δ|
 * candidates: the LM head's top-K ids (equal) and values (max |Δ|; log-probabilities for LiLiCorr)
 * scores:     DFlash 2: `CandidateSelector` (its `_score_edges`) against our lattice; LiLiCorr:
               `LiLiCorrHead` against ours; DSpark: the Markov-corrected candidate scores of each step
@@ -47,6 +49,10 @@ VARIANTS = {
     "DSpark (confidence head)": dict(conv="none", selector="dspark", confidence_head=True),
     "LiLiCorr (DFlash-1 backbone)": dict(conv="none", selector="lilicorr"),
     "LiLiCorr (DFlash-2 backbone)": dict(conv="two_tap", selector="lilicorr"),
+    # narrower than the target (target_hidden_size): its own embed_tokens and lm_head ship in the file
+    "DFlash-2, half the target's width": dict(conv="two_tap", selector="walk", hidden_size=128, num_attention_heads=4,
+                                              num_key_value_heads=2),
+    "LiLiCorr with its own LM head": dict(conv="none", selector="lilicorr", own_lm_head=True),
 }
 TOLERANCE = 1e-5  # float32 agreement asked of every compared tensor (relative to its scale, below)
 
@@ -86,7 +92,9 @@ def cases(out_dir: Path, seed: int = 0) -> tuple[dict, dict]:
                                 for layer, w in zip(d.backbone.layers, maps)]
             hidden = torch.randn(N, L, H, generator=g)
             anchors = torch.randint(2, d.config.vocab_size, (N,), generator=g)
-            case.update(hidden=hidden, anchors=anchors)
+            features = torch.randn(N, d.backbone.fc.in_features, generator=g)
+            case.update(hidden=hidden, anchors=anchors, features=features)
+            mine["fuse"] = d.backbone.fuse(features)
             sel = d.candidate_selector
             if d.config.selector == "lilicorr":
                 cands, log_z = d.draft_candidates(hidden, target, with_log_z=True)
@@ -129,6 +137,7 @@ def compare(ours: dict, theirs: dict) -> dict:
     for name, mine in ours.items():
         t = theirs[name]
         row = dict(vllm_class=t["cls"], exported_tensors=t["exported"], unset_by_load_weights=t["unset"])
+        row["fuse"] = rel_diff(mine["fuse"], t["fuse"])
         if "conv" in mine:
             row["conv"] = max(max(rel_diff(a, b), rel_diff(c, e)) for (a, c), (b, e) in zip(mine["conv"], t["conv"]))
         row["candidate_ids_equal"] = bool(torch.equal(mine["cand_ids"], t["cand_ids"]))
@@ -144,7 +153,7 @@ def compare(ours: dict, theirs: dict) -> dict:
             path = torch.stack(mine["path"])
             theirs_path = mine["cand_ids"].gather(2, t["path"][..., None])[..., 0]
             row["path_equal"] = bool(torch.equal(path, theirs_path))
-        numbers = [v for k, v in row.items() if k in ("conv", "candidate_scores", "scores", "confidence")]
+        numbers = [v for k, v in row.items() if k in ("fuse", "conv", "candidate_scores", "scores", "confidence")]
         row["within_tolerance"] = (all(v <= TOLERANCE for v in numbers) and row["candidate_ids_equal"]
                                    and row["path_equal"] and not row["unset_by_load_weights"])
         rows[name] = row
@@ -168,12 +177,12 @@ def run(vllm_python: str, work: Path) -> dict:
 
 
 def markdown(rows: dict) -> str:
-    lines = ["| variant | vLLM class | tensors exported / unset after load | conv | candidates (ids, values) | "
-             "scores | path | confidence | within 1e-5 |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | vLLM class | tensors exported / unset after load | fuse | conv | candidates (ids, values) | "
+             "scores | path | confidence | within 1e-5 |", "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = (lambda v: "—" if v is None else f"{v:.1e}")
     for name, r in rows.items():
         lines.append(f"| {name} | {r['vllm_class']} | {r['exported_tensors']} / {len(r['unset_by_load_weights'])} | "
-                     f"{fmt(r.get('conv'))} | {'equal' if r['candidate_ids_equal'] else 'DIFFER'}, "
+                     f"{fmt(r.get('fuse'))} | {fmt(r.get('conv'))} | {'equal' if r['candidate_ids_equal'] else 'DIFFER'}, "
                      f"{fmt(r['candidate_scores'])} | {fmt(r['scores'])} | "
                      f"{'equal' if r['path_equal'] else 'DIFFER'} | {fmt(r.get('confidence'))} | "
                      f"{'yes' if r['within_tolerance'] else 'NO'} |")

@@ -77,10 +77,13 @@ def main() -> int:
                 p.data.fill_(float("nan"))  # what load_weights leaves unset stays NaN
             exported = load_file(os.path.join(case["dir"], "model.safetensors"))
             loaded = model.load_weights(iter(exported.items()))
-            # embed_tokens and lm_head are the target's (the runner shares them, as it does here)
+            # embed_tokens and lm_head: the file's own when it ships them, else the target's (the runner
+            # shares the target's then, as it does here)
             embed = target_weights["model.embed_tokens.weight"]
-            model.model.embed_tokens.weight.data.copy_(embed)
-            model.lm_head.weight.data.copy_(target_weights.get("lm_head.weight", embed))
+            if "embed_tokens.weight" not in exported:
+                model.model.embed_tokens.weight.data.copy_(embed)
+            if "lm_head.weight" not in exported:
+                model.lm_head.weight.data.copy_(target_weights.get("lm_head.weight", embed))
             # as vLLM's loader does after load_weights: each layer's CPU GEMM (and any packing) is set up here
             process_weights_after_loading(model, cfg.speculative_config.draft_model_config, torch.device("cpu"))
             unused = set() if model.model.has_separate_mask_embedding else {"model.mask_embedding"}  # read only when
@@ -90,6 +93,7 @@ def main() -> int:
             r = dict(cls=cls_name, exported=len(exported), loaded=len(loaded) if loaded is not None else None,
                      unset=unset)
             m = model.model
+            r["fuse"] = m.hidden_norm(m.fc(case["features"]))  # fc, then the norm the context K/V precompute applies
             if "conv" in case:  # per layer: conv(W)(x) around a fixed linear map, conv(mlp)(x) around the layer's MLP
                 x, mats = case["conv"]["x"], case["conv"]["maps"]
                 outs = []
@@ -108,7 +112,8 @@ def main() -> int:
                 r["cand_ids"], r["cand_scores"] = ids.view(N, L, -1), values.view(N, L, -1)  # log-probs
                 anchor_hidden = m.hidden_norm(m.fc(case["last_features"]))  # as prepare_context_anchor
                 ids_ours = case["cand_ids"]
-                scores = m.lilicorr(m.embed_tokens(ids_ours), case["cand_logp"], hidden, anchor_hidden,
+                target_embed = torch.nn.functional.embedding(ids_ours, embed)  # the speculator's: the target's
+                scores = m.lilicorr(target_embed, case["cand_logp"], hidden, anchor_hidden,
                                     torch.ones(N, dtype=torch.bool))
                 r["scores"] = scores
                 r["path"] = walk_greedy(scores)
