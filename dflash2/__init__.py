@@ -14,7 +14,7 @@ from .config import DFlash2Config
 from .drafter import DFlash2Drafter
 from .embedded import load_embedded
 from .heads import Candidates
-from .interfaces import BatchDrafter, CheckedDrafter, Drafter, Selector, TreeDrafter
+from .interfaces import BatchDrafter, CheckedDrafter, Drafter, Selector, TreeDrafter, VerifyPolicy
 from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_generate
 from .rng import RandomSource, TorchRandom
 from .registry import register_conv, register_selector
@@ -29,5 +29,5 @@ __all__ = [
     "AutoregressiveDrafter", "BatchDrafter", "Candidates", "CheckedDrafter", "DFlash2Config", "DFlash2Drafter",
     "Draft", "Drafter", "GenerationResult", "RandomSource", "SamplingParams", "Selector", "StaticTarget",
     "TargetAdapter", "TokenTree", "TorchRandom", "TreeDrafter", "ar_generate", "ar_generate_batch", "load_embedded",
-    "register_conv", "register_selector", "spec_generate", "spec_generate_batch",
+    "VerifyPolicy", "register_conv", "register_selector", "spec_generate", "spec_generate_batch",
 ]

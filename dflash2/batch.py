@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .checks import adapt_target, check_batch, check_concurrency, check_stops, check_verify
-from .interfaces import BatchDrafter, Drafter
+from .checks import adapt_target, apply_policy, check_batch, check_concurrency, check_policy, check_stops, check_verify
+from .interfaces import BatchDrafter, Drafter, VerifyPolicy
 from .loop import AutoregressiveDrafter, GenerationResult
 from .rng import RandomSource, TorchRandom
 from .round import decide, first_token, propose_rows, synchronizer
@@ -66,18 +66,19 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
                         max_new_tokens: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                         stop_token_ids=None, generator: torch.Generator | None = None,
                         rng: RandomSource | None = None, concurrency: int | None = None, verify: str = "path",
-                        tree_nodes: int = 15) -> list[GenerationResult]:
+                        tree_nodes: int = 15, policy: VerifyPolicy | None = None) -> list[GenerationResult]:
     """Lossless speculative decoding of N left-padded prompts input_ids [N, T] (attention_mask [N, T],
     1 for real tokens; None means no padding). Returns one GenerationResult per row, its sequences
     [1, T_r + n_r] without padding; the timings are those of the whole batch.
 
     concurrency: at most this many rows in flight (None: all N). When a row finishes, the next waiting
     prompt is prefilled and joins the running batch (continuous batching, as serving engines run).
-    verify: "path" or "tree" (each row verifies a token tree of at most `tree_nodes` nodes), as in
-    `spec_generate`."""
+    verify: "path" or "tree" (each row verifies a token tree of at most `tree_nodes` nodes), and
+    `policy` (how many drafted tokens of each row to verify), as in `spec_generate`."""
     params = SamplingParams(temperature, top_k, top_p)
     tgt = adapt_target(drafter, target)
     check_verify(verify, tree_nodes, drafter, tgt)
+    check_policy(policy, verify)
     if tgt.hybrid:
         raise ValueError("batched decoding needs an attention-only target: padded and ragged rows would leak into "
                          "linear_attention's recurrent state; decode the rows one at a time with spec_generate")
@@ -106,11 +107,16 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             continue  # admit again if some newcomers finished at once
         alive = rows.alive
         depths = [min(rows.left(r) - 1, drafter.block_size - 1) for r in alive]
-        drafts = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive], [rows.anchors[r] for r in alive],
-                              [rows.features[r] for r in alive], tgt, params, rng, verify, tree_nodes, depths)
+        drafted = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive],
+                               [rows.anchors[r] for r in alive], [rows.features[r] for r in alive], tgt, params, rng,
+                               verify, tree_nodes, depths)
         sync()
         t1 = time.perf_counter()
-        _verify_and_commit(rows, drafts, tgt, params, rng, stops)
+        drafts = apply_policy(policy, drafted, t1 - t0)  # each row's tokens to verify: a prefix of its draft
+        kept = _verify_and_commit(rows, drafts, tgt, params, rng, stops)
+        if policy is not None:
+            for full, d, k in zip(drafted, drafts, kept):
+                policy.observe(full, d.tokens.shape[0], k)
         _retire(rows, tgt, context)
         sync()
         timings["draft_s"] += t1 - t0
@@ -149,10 +155,11 @@ def _admit(rows: _Rows, newcomers: list[int], drafter: Drafter, tgt: TargetAdapt
 
 
 def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: SamplingParams, rng: RandomSource,
-                       stops: frozenset[int]) -> None:
+                       stops: frozenset[int]) -> list[int]:
     """One target pass over [R, W = 1 + max nodes]: row r's block at its own positions (a path is a
     chain; a tree's nodes at the anchor's position + depth, each seeing its ancestors); each row's
-    Outcome; every row's kept slots appended to the cache, which grows by max_r(n_r + 1) slots."""
+    Outcome; every row's kept slots appended to the cache, which grows by max_r(n_r + 1) slots.
+    Returns each row's number of accepted draft tokens."""
     alive = rows.alive
     trees = [d if isinstance(d, TokenTree) else TokenTree.chain(d.tokens.cpu()) for d in drafts]
     W = 1 + max(t.tokens.shape[0] for t in trees)
@@ -168,8 +175,10 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     allowed = torch.cat([rows.valid[:, None, :].expand(R, W, S), seen], dim=2)  # padding queries see the context only
     step = tgt.forward_masked(block, q_pos, torch.cat([rows.pos, q_pos], dim=1), allowed, rows.cache)  # [R, W, V]
     kept = torch.zeros(R, W, dtype=torch.bool)
+    accepted = []
     for i, (r, d, t) in enumerate(zip(alive, drafts, trees)):
         outcome = decide(d, step.logits[i, : t.tokens.shape[0] + 1], params, rng, rows.left(r), stops)
+        accepted.append(len(outcome.kept) - 1)
         rows.tokens[r] += outcome.committed
         rows.lengths[r].append(len(outcome.committed))
         kept[i, outcome.kept] = True
@@ -183,6 +192,7 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     tgt.keep_block(rows.cache, S, order)
     rows.valid = torch.cat([rows.valid, kept.gather(1, order)], dim=1)
     rows.pos = torch.cat([rows.pos, q_pos.gather(1, order)], dim=1)
+    return accepted
 
 
 def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:

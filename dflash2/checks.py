@@ -122,6 +122,28 @@ def check_verify(verify: str, tree_nodes: int, drafter: Drafter, tgt: TargetAdap
                          "single recurrent state cannot follow several branches; use verify='path'")
 
 
+def check_policy(policy, verify: str) -> None:
+    from .interfaces import VerifyPolicy
+
+    if policy is None:
+        return
+    if not isinstance(policy, VerifyPolicy):
+        raise ValueError(f"policy must be a dflash2.VerifyPolicy (widths, observe), got {type(policy).__name__}")
+    if verify != "path":
+        raise ValueError("a verification policy sizes path drafts: use verify='path' with policy=...")
+
+
+def apply_policy(policy, drafts: list, draft_s: float) -> list:
+    """Each draft truncated to the width the policy picks (all of it without a policy)."""
+    if policy is None:
+        return drafts
+    widths = policy.widths(drafts, draft_s)
+    if len(widths) != len(drafts) or any(not 0 <= int(w) <= d.tokens.shape[0] for w, d in zip(widths, drafts)):
+        raise ValueError(f"the policy's widths {widths} do not fit the drafts' lengths "
+                         f"{[d.tokens.shape[0] for d in drafts]}")
+    return [d.truncate(int(w)) for d, w in zip(drafts, widths)]
+
+
 def check_concurrency(concurrency) -> None:
     if concurrency is not None and (isinstance(concurrency, bool) or not isinstance(concurrency, int)
                                     or concurrency < 1):

@@ -11,7 +11,9 @@ Where it comes from:
 * a confidence head (DSpark's) fills `Draft.confidence` itself;
 * otherwise `lattice_confidence` reads it off the lattice the selector walked: the softmax over the K
   successors of the pick's score, given the pick before it (for argmax drafters, whose lattice is the
-  unaries alone, that is the candidate head's top-1 probability).
+  unaries alone, that is the candidate head's top-1 probability). It reads token t's own probability,
+  so at T > 0 it is for analysis, not for sizing verification: a width decided on token t's own value
+  biases sampled output (dflash2.interfaces.VerifyPolicy).
 
 Neither is calibrated: a head learns against teacher-forced labels, the lattice's softmax is over K
 candidates, not over what the target would say. `Calibrator` maps raw values onto the acceptances

@@ -8,6 +8,8 @@
                        read (sizes, layers)
     Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector),
                                                                    drafter.with_selector(name or object)
+    VerifyPolicy     how many drafted tokens of each row to verify  spec_generate(policy=...),
+                     (dflash2.policy: FixedWidth, GoodputPolicy)   spec_generate_batch(policy=...)
 
 A new drafter implements `Drafter` (and the others where it can); nothing else is probed. The loops
 check with isinstance against these runtime-checkable protocols (which test that the members exist;
@@ -36,6 +38,23 @@ from .heads import Candidates, RoundContext
 from .rng import RandomSource
 from .tree import TokenTree
 from .verify import Draft
+
+
+@runtime_checkable
+class VerifyPolicy(Protocol):
+    """Sizes verification (path drafts). widths: each row's draft and the round's drafting seconds so
+    far → how many of its tokens to verify (0..len; the loop truncates the draft to it). observe: after
+    verification, the draft as drafted, the tokens verified and those accepted (online calibration).
+
+    The contract that keeps sampled output exact: whether token t is verified may depend on anything
+    but token t itself (the context, the tokens before it, other rows, past rounds, the confidences,
+    which are computed before token t is drawn). Deciding on token t's own value biases the output
+    (tests/test_policy.py has that mutant); at temperature 0 the draft is a function of the context,
+    and any width is lossless."""
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]: ...
+
+    def observe(self, draft: Draft, verified: int, accepted: int) -> None: ...
 
 
 @runtime_checkable

@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .checks import adapt_target, check_prompt, check_stops, check_verify
-from .interfaces import Drafter
+from .checks import adapt_target, apply_policy, check_policy, check_prompt, check_stops, check_verify
+from .interfaces import Drafter, VerifyPolicy
 from .rng import RandomSource, TorchRandom
 from .round import decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams
@@ -90,7 +90,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
                   top_k: int = 0, top_p: float = 1.0, stop_token_ids=None,
                   generator: torch.Generator | None = None, rng: RandomSource | None = None,
                   on_commit: Callable[[list[int], int], None] | None = None, verify: str = "path",
-                  tree_nodes: int = 15) -> GenerationResult:
+                  tree_nodes: int = 15, policy: VerifyPolicy | None = None) -> GenerationResult:
     """Lossless speculative decoding of one sequence: greedy output equals the target's greedy output,
     sampled output has exactly the target's processed distribution (temperature → top-k → top-p).
 
@@ -101,12 +101,15 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     `rng` overrides `generator` (tests inject a source that enumerates every random branch).
     `on_commit(tokens, n_drafted)` is called as tokens are committed (streaming): the first
     `n_drafted` of them are accepted draft tokens, the rest come from the target itself.
+    `policy` (path drafts): how many of each round's drafted tokens to verify (dflash2.policy);
+    None verifies them all.
     """
     params = SamplingParams(temperature, top_k, top_p)
     tgt = adapt_target(drafter, target)
     prompt = check_prompt(input_ids, tgt, max_new_tokens)
     stops = check_stops(stop_token_ids, tgt.vocab_size)
     check_verify(verify, tree_nodes, drafter, tgt)
+    check_policy(policy, verify)
     rng = rng or TorchRandom(generator)
     sync = synchronizer(tgt.device)
 
@@ -129,16 +132,19 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         while finish != "stop" and len(tokens) - prompt.shape[1] < max_new_tokens:
             budget = max_new_tokens - (len(tokens) - prompt.shape[1])
             t0 = time.perf_counter()
-            [draft] = propose_rows(drafter, None, [draft_cache], [anchor], [new_features], tgt, params, rng,
-                                   verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
+            [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [new_features], tgt, params, rng,
+                                     verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
             sync()
             t1 = time.perf_counter()
+            [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
             if verify == "tree":
                 step = tgt.forward_tree(anchor, draft, cache)  # logits [1, M+1, V], M nodes
             else:
                 block = torch.cat([torch.tensor([anchor], device=tgt.device), draft.tokens.to(tgt.device)])
                 step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
             outcome = decide(draft, step.logits[0], params, rng, budget, stops)
+            if policy is not None:
+                policy.observe(drafted, draft.tokens.shape[0], len(outcome.kept) - 1)
             tgt.keep(cache, step, outcome.kept)  # the anchor and the accepted drafts
             sync()
             timings["draft_s"] += t1 - t0

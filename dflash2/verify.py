@@ -33,8 +33,9 @@ class Draft(NamedTuple):
              and the walk at T=0 produce.
     confidence: [L] float in [0, 1] or None, the drafter's estimate for each token that the verifier
              accepts it given that every token before it was accepted (a confidence head's output,
-             e.g. DSpark's); None: no estimate. Read by policies that size verification; never by the
-             verifier, so it cannot change what is committed (dflash2.interfaces, "Confidence").
+             e.g. DSpark's); None: no estimate. Computed before token t is drawn: it may depend on
+             the tokens before it, never on token t itself. Read by policies that size verification
+             (dflash2.interfaces.VerifyPolicy); never by the verifier.
     """
 
     tokens: Tensor

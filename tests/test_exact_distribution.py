@@ -38,14 +38,14 @@ def dflash(selector: str, top_k: int = 2, conv: str = "two_tap") -> DFlash2Draft
                         lilicorr_num_layers=1, lilicorr_factor_dim=8, confidence_head=selector == "dspark")
 
 
-def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None):
+def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None, policy=None):
     """Exact output distribution and branch count; `lengths` collects every round's acceptance length.
     tgt: the target as spec_generate gets it (default: the HF model; tests/test_static_target.py
-    passes a StaticTarget)."""
+    passes a StaticTarget). policy: a factory of the verification policy each branch runs with."""
     def program(rng):
         out = spec_generate(drafter, tgt or target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-                            stop_token_ids=list(stops), rng=rng)
+                            stop_token_ids=list(stops), rng=rng, policy=policy() if policy else None)
         if lengths is not None:
             lengths.update(out.acceptance_lengths)
         return tuple(out.new_tokens.tolist())

@@ -1,0 +1,138 @@
+"""Verification policies: how many of each row's drafted tokens the target checks this round.
+
+A drafter proposes up to L tokens per row; verifying n of them costs a target pass over n + 1 tokens
+and commits, in expectation, 1 + Σ_{t<=n} s_t tokens (s: the survival curve of the row's confidences,
+`dflash2.confidence`). When acceptance is low or a wider pass is dear (many rows, a compute-bound
+target), verifying fewer tokens, or none, commits more tokens per second. A policy picks the widths;
+the loops truncate each draft to its width before verifying it, so losslessness never depends on the
+policy (a verified prefix of a draft is itself a draft: tests/test_policy.py runs adversarial widths
+through the greedy and exact-distribution checks).
+
+    FixedWidth     verify everything drafted (what the loops do without a policy)
+    GoodputPolicy  maximise expected committed tokens per second of the round:
+
+        max over widths n_r of   Σ_r (1 + Σ_{t<=n_r} s_r,t)  /  (draft_s + verify_s(Σ_r (n_r + 1)))
+
+    Each row's s_r,t falls with t, so for any total the best slots are the globally largest s_r,t
+    (taken in order within each row): the policy sorts the slots once and scans the totals, as vLLM
+    0.32's adaptive verification admits its best (request, position) slots under a token budget.
+    Widths of zero are allowed (a plain decoding step for that row).
+
+Confidences come from `Draft.confidence` where the drafter fills it (a confidence head), calibrated
+online (`Calibrator`) from the acceptances the loop reports; a draft without them is read at a
+constant raw value, so that the calibrator learns each position's observed acceptance rate.
+`CostModel` holds the verify cost as seconds against the tokens in a pass (piecewise linear between
+measured points, extended by the last segment's slope).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .confidence import Calibrator, survival
+from .verify import Draft
+
+UNKNOWN_CONFIDENCE = 0.5  # the raw value a draft without confidences is read at (one calibrator bin per position)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """verify seconds against tokens in one target pass: points (tokens, seconds), tokens increasing."""
+
+    points: tuple[tuple[int, float], ...]
+
+    def __post_init__(self) -> None:
+        tokens = [n for n, _ in self.points]
+        if not self.points or tokens != sorted(set(tokens)) or tokens[0] < 1 or any(s < 0 for _, s in self.points):
+            raise ValueError(f"CostModel needs points (tokens >= 1, strictly increasing; seconds >= 0), got {self.points}")
+
+    def verify_s(self, tokens: int) -> float:
+        """Seconds of a target pass over `tokens` tokens: interpolated between the measured points,
+        the first point's value below them, the last segment's slope above them."""
+        xs = [n for n, _ in self.points]
+        ys = [s for _, s in self.points]
+        if len(xs) == 1 or tokens <= xs[0]:
+            return ys[0]
+        i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
+        (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
+        return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
+
+    @classmethod
+    def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> "CostModel":
+        """Time run(n) for each n in sizes (best of `repeats`, after one warm-up call each)."""
+        import time
+
+        points = []
+        for n in sorted(set(sizes)):
+            run(n)
+            best = float("inf")
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run(n)
+                best = min(best, time.perf_counter() - start)
+            points.append((n, best))
+        return cls(tuple(points))
+
+
+class FixedWidth:
+    """Verify every drafted token (the loops' behaviour without a policy)."""
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        return [d.tokens.shape[0] for d in drafts]
+
+    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+        pass
+
+
+class GoodputPolicy:
+    """Widths that maximise expected committed tokens per second of the round (module docstring)."""
+
+    def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None) -> None:
+        self.cost = cost
+        self.calibrator = calibrator or Calibrator(positions)
+
+    def confidence(self, draft: Draft) -> torch.Tensor:
+        """The calibrated c [L] of a draft (its own raw values, or UNKNOWN_CONFIDENCE where it has none)."""
+        raw = draft.confidence
+        if raw is None:
+            raw = torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE)
+        return self.calibrator.calibrate(raw.detach().cpu().double())
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
+        return best_widths(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+
+    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+        raw = draft.confidence
+        if raw is None:
+            raw = torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE)
+        self.calibrator.observe(raw.detach().cpu(), verified, accepted)
+
+
+def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
+    """Survival curves (row r: s_r,1 >= s_r,2 >= ..., its drafted tokens) and the round's seconds as a
+    function of the tokens verified → the widths n_r maximising (Σ_r 1 + Σ_{t<=n_r} s_r,t) / round_s(Σ_r n_r + 1)."""
+    rows = len(curves)
+    slots = sorted(((s, r, t) for r, curve in enumerate(curves) for t, s in enumerate(curve)),
+                   key=lambda slot: (-slot[0], slot[1], slot[2]))
+    taken = [0] * rows
+    gain, best, best_count = float(rows), float(rows) / max(round_s(rows), 1e-12), 0
+    counts = [0] * rows
+    for k, (s, r, t) in enumerate(slots, start=1):
+        if t != counts[r]:  # a slot before it in the same row is not taken yet: curves must not rise
+            raise ValueError(f"survival curve of row {r} rises at position {t}")
+        counts[r] += 1
+        gain += s
+        rate = gain / max(round_s(rows + k), 1e-12)
+        if rate > best:
+            best, best_count = rate, k
+    for s, r, t in slots[:best_count]:
+        taken[r] += 1
+    return taken
+
+
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_widths"]

@@ -1,0 +1,194 @@
+"""Verification policies (dflash2.policy): the goodput choice is optimal, it answers costs and
+confidences as it should, and no width sequence a policy may choose changes what is committed:
+greedy equality and the exact sampled distribution with adversarial widths, and a mutant policy that
+decides on a token's own value (forbidden by the VerifyPolicy contract) must be caught."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
+from dflash2.confidence import Calibrator
+from dflash2.policy import CostModel, FixedWidth, GoodputPolicy, best_widths
+from dflash2.verify import Draft
+from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
+from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
+
+DETECT = 1e-4
+
+
+class ScriptedWidths:
+    """An adversarial policy: round k verifies min(script[k % len], drafted) tokens of every row, whatever
+    the confidences say (a valid policy: the widths never depend on the drafted tokens' values)."""
+
+    def __init__(self, script: list[int]) -> None:
+        self.script, self.round, self.seen = script, 0, []
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        w = self.script[self.round % len(self.script)]
+        self.round += 1
+        return [min(w + i, d.tokens.shape[0]) for i, d in enumerate(drafts)]  # rows differ too
+
+    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+        assert 0 <= accepted <= verified <= draft.tokens.shape[0]
+        self.seen.append((verified, accepted))
+
+
+class PeekingPolicy(ScriptedWidths):
+    """A mutant: verifies a draft only when its first token is the likelier of the proposal's candidates
+    (decides on that token's own value), else none of it."""
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        def likely(d: Draft) -> bool:
+            return d.q_ids is not None and int(d.tokens[0]) == int(d.q_ids[0, d.q_probs[0].argmax()])
+        return [d.tokens.shape[0] if d.tokens.shape[0] and likely(d) else 0 for d in drafts]
+
+
+# -- the choice ------------------------------------------------------------------------------------
+def _rate(curves, widths, round_s):
+    gain = sum(1 + sum(c[:w]) for c, w in zip(curves, widths))
+    return gain / round_s(sum(widths) + len(curves))
+
+
+curve = st.lists(st.floats(0.0, 1.0), max_size=4).map(lambda cs: list(itertools.accumulate(cs, lambda a, b: a * b)))
+
+
+@settings(max_examples=60)
+@given(curves=st.lists(curve, min_size=1, max_size=3), fixed=st.floats(0.0, 2.0), slope=st.floats(0.0, 1.0),
+       square=st.floats(0.0, 0.2))
+def test_best_widths_is_the_best_of_every_choice(curves, fixed, slope, square):
+    round_s = lambda n: 0.05 + fixed + slope * n + square * n * n  # noqa: E731
+    got = best_widths(curves, round_s)
+    best = max(_rate(curves, w, round_s) for w in itertools.product(*(range(len(c) + 1) for c in curves)))
+    assert all(0 <= w <= len(c) for w, c in zip(got, curves))
+    assert _rate(curves, got, round_s) >= best - 1e-9
+
+
+def test_cost_model_interpolates_and_extends():
+    cost = CostModel(((1, 1.0), (4, 1.3), (16, 4.3)))
+    assert cost.verify_s(1) == cost.verify_s(0) == 1.0
+    assert cost.verify_s(2) == pytest.approx(1.1) and cost.verify_s(10) == pytest.approx(2.8)
+    assert cost.verify_s(20) == pytest.approx(5.3)  # the last segment's slope
+    for bad in ((), ((2, 1.0), (2, 1.5)), ((0, 1.0),), ((1, -1.0),)):
+        with pytest.raises(ValueError, match="CostModel needs points"):
+            CostModel(bad)
+    calls = []
+    measured = CostModel.measure(calls.append, [4, 1, 4], repeats=2)
+    assert [n for n, _ in measured.points] == [1, 4] and calls == [1, 1, 1, 4, 4, 4]
+
+
+def test_goodput_widths_follow_cost_and_confidence():
+    sure = Draft(torch.arange(6), confidence=torch.full((6,), 0.95))
+    unsure = Draft(torch.arange(6), confidence=torch.full((6,), 0.05))
+    flat = CostModel(((1, 1.0), (64, 1.0)))  # a memory-bound pass: width is free
+    steep = CostModel(((1, 1.0), (2, 3.0)))  # every token costs more than a pass
+    policy = GoodputPolicy(flat, positions=6, calibrator=Calibrator(6, prior_strength=1e9))  # raw values as given
+    assert policy.widths([sure, unsure], draft_s=0.1) == [6, 6]
+    policy.cost = steep
+    assert policy.widths([sure, unsure], draft_s=0.1) == [0, 0]
+    policy.cost = CostModel(((1, 1.0), (2, 1.1)))
+    assert policy.widths([sure, unsure], draft_s=0.1) == [6, 0]
+
+
+def test_goodput_learns_what_verification_accepts():
+    """Drafts without confidences: the calibrator learns each position's acceptance; a drafter whose
+    first token is never accepted is not verified once the evidence is in."""
+    policy = GoodputPolicy(CostModel(((1, 1.0), (2, 1.2))), positions=4)
+    blind = Draft(torch.arange(4))
+    assert policy.widths([blind], 0.0)[0] > 0  # the prior (c = 0.5) pays at this cost
+    for _ in range(50):
+        policy.observe(blind, 4, 0)
+    assert policy.widths([blind], 0.0) == [0]
+
+
+def test_policies_are_checked():
+    assert isinstance(FixedWidth(), VerifyPolicy) and isinstance(GoodputPolicy(CostModel(((1, 1.0),)), 4), VerifyPolicy)
+    target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
+    with pytest.raises(ValueError, match="policy must be a dflash2.VerifyPolicy"):
+        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=4, policy=object())
+    with pytest.raises(ValueError, match="sizes path drafts"):
+        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=4, policy=FixedWidth(), verify="tree")
+
+    class TooWide(ScriptedWidths):
+        def widths(self, drafts, draft_s):
+            return [d.tokens.shape[0] + 1 for d in drafts]
+
+    with pytest.raises(ValueError, match="do not fit the drafts' lengths"):
+        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=8, policy=TooWide([0]))
+
+
+# -- losslessness under any widths -------------------------------------------------------------------
+@settings(max_examples=12)
+@given(script=st.lists(st.integers(0, 4), min_size=1, max_size=5), budget=st.integers(1, 14),
+       prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6))
+def test_greedy_output_is_the_targets_whatever_the_widths(script, budget, prompt):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter("qwen3", 5, selector="walk")
+    want = hf_greedy(target, prompt, budget)
+    policy = ScriptedWidths(script)
+    out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy)
+    assert out.sequences[0].tolist() == want
+    assert all(n <= min(max(script), 4) + 1 for n in out.acceptance_lengths)  # the widths were applied
+    batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=budget,
+                                policy=ScriptedWidths(script))
+    assert [r.sequences[0].tolist() for r in batch] == [want, hf_greedy(target, prompt[::-1], budget)]
+
+
+def _distribution_with(policy_factory, drafter_name, params):
+    """The exact output distribution with a fresh policy in every branch (a policy is per generation)."""
+    return spec_distribution(DRAFTERS[drafter_name](), params, policy=policy_factory)[0]
+
+
+@pytest.mark.parametrize("script", [[0], [1], [0, 2, 1], [2, 0]])
+@pytest.mark.parametrize("drafter_name", ["sampled_walk_sparse_q", "sampled_dspark"])
+def test_sampled_output_is_exact_whatever_the_widths(script, drafter_name):
+    params = PARAMS["T0.7_topk2"]
+    got = _distribution_with(lambda: ScriptedWidths(script), drafter_name, params)
+    assert max_abs_diff(got, ar_distribution(params)) < EXACT
+
+
+class RecordedGoodput(GoodputPolicy):
+    """GoodputPolicy without the wall clock (each branch must choose alike), recording its widths."""
+
+    chosen: set = set()
+
+    def widths(self, drafts, draft_s):
+        widths = super().widths(drafts, 0.0)
+        RecordedGoodput.chosen.update(widths)
+        return widths
+
+
+def test_sampled_output_is_exact_under_the_goodput_policy():
+    """DSpark's confidences (computed before each token is drawn) size the widths: still exact."""
+    params, RecordedGoodput.chosen = PARAMS["T1"], set()
+    cost = CostModel(((1, 1.0), (2, 1.4), (3, 1.8)))
+    got = _distribution_with(lambda: RecordedGoodput(cost, positions=2, calibrator=Calibrator(2, prior_strength=1e9)),
+                             "sampled_dspark", params)
+    assert max_abs_diff(got, ar_distribution(params)) < EXACT
+    assert len(RecordedGoodput.chosen) >= 2, f"the policy chose one width only ({RecordedGoodput.chosen}): hollow"
+
+
+def test_a_policy_that_peeks_at_a_token_is_caught():
+    params = PARAMS["T0.7_topk2"]
+    got = _distribution_with(lambda: PeekingPolicy([0]), "sampled_walk_sparse_q", params)
+    assert max_abs_diff(got, ar_distribution(params)) > DETECT
+
+
+def test_a_truncation_that_misaligns_q_is_caught(monkeypatch):
+    """Mutant: the width cut keeps the first n tokens with the last n positions' proposal distributions."""
+    def misaligned(self, n):
+        n = max(n, 0)
+        if n >= self.tokens.shape[0] or self.q_ids is None:
+            return Draft(self.tokens[:n]) if n < self.tokens.shape[0] else self
+        L = self.tokens.shape[0]
+        return Draft(self.tokens[:n], self.q_ids[L - n:], self.q_probs[L - n:])
+
+    monkeypatch.setattr(Draft, "truncate", misaligned)
+    params = PARAMS["T0.7_topk2"]
+    got = _distribution_with(lambda: ScriptedWidths([1]), "sampled_walk_sparse_q", params)
+    assert max_abs_diff(got, ar_distribution(params)) > DETECT
