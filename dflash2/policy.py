@@ -22,7 +22,8 @@ Confidences come from `Draft.confidence` where the drafter fills it (a confidenc
 online (`Calibrator`) from the acceptances the loop reports; a draft without them is read at a
 constant raw value, so that the calibrator learns each position's observed acceptance rate.
 `CostModel` holds the verify cost as seconds against the tokens in a pass (piecewise linear between
-measured points, extended by the last segment's slope).
+measured points, extended by the last segment's slope); `profile_verify(target)` measures it on the
+machine it runs on, in a second or two, for a batch-1 target.
 """
 
 from __future__ import annotations
@@ -76,6 +77,30 @@ class CostModel:
                 best = min(best, time.perf_counter() - start)
             points.append((n, best))
         return cls(tuple(points))
+
+
+def profile_verify(target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 256,
+                   repeats: int = 3) -> CostModel:
+    """The verify cost of a target on this machine: a scratch cache prefilled with `context` tokens,
+    then target passes over 1 + n tokens (n in sizes, the drafted tokens), each rolled back; best of
+    `repeats` (a second or two for a small target). target: a TargetAdapter or StaticTarget (or an
+    HF causal LM, wrapped)."""
+    from .target.adapter import TargetAdapter
+
+    tgt = target if hasattr(target, "new_cache") and hasattr(target, "keep") else TargetAdapter(target)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, tgt.vocab_size, (1, context + 1 + max(sizes)), generator=g).to(tgt.device)
+    cache = tgt.new_cache()
+    with torch.no_grad():
+        tgt.forward(ids[:, :context], cache, keep_logits=1)
+
+        def run(tokens: int) -> None:
+            step = tgt.forward(ids[:, context:context + tokens], cache)
+            if tgt.device.type == "cuda":
+                torch.cuda.synchronize(tgt.device)
+            tgt.keep(cache, step, [])  # back to the context
+
+        return CostModel.measure(run, [1 + n for n in sizes], repeats)
 
 
 class FixedWidth:
@@ -135,4 +160,4 @@ def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> l
     return taken
 
 
-__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_widths"]
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_widths", "profile_verify"]

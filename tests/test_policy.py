@@ -82,6 +82,20 @@ def test_cost_model_interpolates_and_extends():
     assert [n for n, _ in measured.points] == [1, 4] and calls == [1, 1, 1, 4, 4, 4]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["adapter", "static"])
+def test_profile_verify_measures_each_width_and_leaves_no_trace(static):
+    from dflash2 import StaticTarget, TargetAdapter
+    from dflash2.policy import profile_verify
+
+    target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
+    tgt = (StaticTarget if static else TargetAdapter)(target, drafter.target_layer_ids)
+    cost = profile_verify(tgt, sizes=(1, 3, 7), context=12, repeats=1)
+    assert [n for n, _ in cost.points] == [2, 4, 8] and all(s > 0 for _, s in cost.points)
+    prompt = [3, 1, 4, 1, 5]  # the target still decodes exactly after being profiled
+    out = spec_generate(drafter, tgt, torch.tensor([prompt]), max_new_tokens=8)
+    assert out.sequences[0].tolist() == hf_greedy(target, prompt, 8)
+
+
 def test_goodput_widths_follow_cost_and_confidence():
     sure = Draft(torch.arange(6), confidence=torch.full((6,), 0.95))
     unsure = Draft(torch.arange(6), confidence=torch.full((6,), 0.05))
