@@ -95,15 +95,32 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
         return statics[layer_ids]
 
+    policies: dict[tuple[int, int], Any] = {}  # dflash2_goodput: one per target step and drafter, its verify
+    # cost profiled once, its calibration carried from prompt to prompt (as a server's would be)
+
+    def policy_for(tgt, drafter):
+        from ..policy import GoodputPolicy, profile_verify
+        from ..target.adapter import TargetAdapter
+
+        key = (id(tgt), id(drafter))
+        if key not in policies:
+            step = tgt if hasattr(tgt, "keep") else TargetAdapter(tgt, drafter.target_layer_ids)
+            cost = profile_verify(step, sizes=tuple(range(1, drafter.block_size)))
+            policies[key] = GoodputPolicy(cost, positions=drafter.block_size - 1)
+        return policies[key]
+
     def ours(drafter, step="hf", **verify):
         def run(ids, setting, seed):
             g = torch.Generator().manual_seed(seed)
             layers = () if drafter is None else tuple(drafter.target_layer_ids)
             tgt = target if step == "hf" else static(layers)
+            kw = dict(verify)
+            if kw.get("policy") == "goodput":
+                kw["policy"] = policy_for(tgt, drafter)
             out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
                    spec_generate(drafter, tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
-                                 generator=g, **setting, **verify))
+                                 generator=g, **setting, **kw))
             other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
                        dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other),
@@ -152,6 +169,7 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
             yield Method("dflash2_argmax", dtype), walk.with_config(selector="argmax"), {}
             for m in cfg.tree_nodes:
                 yield Method("dflash2_tree", dtype, tree_nodes=m), walk, dict(verify="tree", tree_nodes=m)
+            yield Method("dflash2_goodput", dtype), walk, dict(policy="goodput")
             for n in cfg.draft_lens:
                 yield Method("dflash2_walk", dtype, draft_len=n), walk.with_config(draft_len=n), {}
             counts = _token_counts(cfg) if cfg.draft_vocabs else None
@@ -196,7 +214,8 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
 
     methods: dict[Method, Callable] = {Method("ar"): ours(None)}
     for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
-        if method.family != "dflash2_argmax":  # no selector ablation in batches
+        if method.family not in ("dflash2_argmax", "dflash2_goodput"):  # no selector ablation in batches; the
+            # goodput policy's cost model is a batch-1 profile
             methods[method] = ours(drafter, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
