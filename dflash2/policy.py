@@ -114,10 +114,15 @@ class FixedWidth:
 
 
 class GoodputPolicy:
-    """Widths that maximise expected committed tokens per second of the round (module docstring)."""
+    """Widths that maximise expected committed tokens per second of the round (module docstring).
 
-    def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None) -> None:
-        self.cost = cost
+    padded=True for `spec_generate_batch`, whose target pass is [rows, 1 + the widest draft]: every
+    row pays the widest row's width, so the choice is one cap W (each row verifies up to W tokens) and
+    the pass costs verify_s(rows × (W + 1)) (the cost model read in tokens of the padded pass)."""
+
+    def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
+                 padded: bool = False) -> None:
+        self.cost, self.padded = cost, padded
         self.calibrator = calibrator or Calibrator(positions)
 
     def confidence(self, draft: Draft) -> torch.Tensor:
@@ -129,6 +134,8 @@ class GoodputPolicy:
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
+        if self.padded:
+            return best_cap(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
         return best_widths(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:
@@ -160,4 +167,18 @@ def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> l
     return taken
 
 
-__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_widths", "profile_verify"]
+def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
+    """best_widths for a padded pass: the cap W maximising (Σ_r 1 + Σ_{t<=min(W, L_r)} s_r,t) /
+    round_s(rows × (W + 1)) → each row's width min(W, L_r)."""
+    rows = len(curves)
+    longest = max((len(c) for c in curves), default=0)
+    best, best_cap_ = -1.0, 0
+    for cap in range(longest + 1):
+        gain = rows + sum(sum(c[:cap]) for c in curves)
+        rate = gain / max(round_s(rows * (cap + 1)), 1e-12)
+        if rate > best:
+            best, best_cap_ = rate, cap
+    return [min(best_cap_, len(c)) for c in curves]
+
+
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_verify"]

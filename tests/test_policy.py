@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator
-from dflash2.policy import CostModel, FixedWidth, GoodputPolicy, best_widths
+from dflash2.policy import CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths
 from dflash2.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
 from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
@@ -67,6 +67,21 @@ def test_best_widths_is_the_best_of_every_choice(curves, fixed, slope, square):
     best = max(_rate(curves, w, round_s) for w in itertools.product(*(range(len(c) + 1) for c in curves)))
     assert all(0 <= w <= len(c) for w, c in zip(got, curves))
     assert _rate(curves, got, round_s) >= best - 1e-9
+
+
+@settings(max_examples=60)
+@given(curves=st.lists(curve, min_size=1, max_size=3), fixed=st.floats(0.0, 2.0), slope=st.floats(0.0, 1.0))
+def test_best_cap_is_the_best_cap_of_a_padded_pass(curves, fixed, slope):
+    round_s = lambda n: 0.05 + fixed + slope * n  # noqa: E731
+    rows, longest = len(curves), max(len(c) for c in curves)
+
+    def rate(cap):
+        return (rows + sum(sum(c[:cap]) for c in curves)) / round_s(rows * (cap + 1))
+
+    got = best_cap(curves, round_s)
+    cap = max(got)
+    assert got == [min(cap, len(c)) for c in curves]
+    assert rate(cap) >= max(rate(w) for w in range(longest + 1)) - 1e-9
 
 
 def test_cost_model_interpolates_and_extends():
