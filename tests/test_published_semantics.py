@@ -583,3 +583,6 @@ def test_target_hidden_size_and_own_modules_are_checked_clearly(tmp_path):
         config_from_reference(reference_config(2, {"has_own_lm_head": True}), [])
     with pytest.raises(ValueError, match=r"target_hidden_size 32 != hidden_size 16"):
         DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=16, own_embedding=False, mask_token_id=MASK)
+    ignored = {k: v for k, v in narrow.items() if k != "target_hidden_size"}  # a reader that ignores the field
+    with pytest.raises(ValueError, match=r"wrong shapes .*fc.weight: \(16, 96\) vs \(16, 48\)"):
+        write(tmp_path / "ignored", ignored, tensors)  # cannot load the file: its fc is as wide as the target
