@@ -103,6 +103,36 @@ def profile_verify(target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: i
         return CostModel.measure(run, [1 + n for n in sizes], repeats)
 
 
+def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 128,
+                         repeats: int = 3) -> CostModel:
+    """profile_verify for `spec_generate_batch`'s padded pass: `rows` rows prefilled with `context`
+    tokens each, then passes over [rows, 1 + n] (n in sizes), each rolled back. Points are in tokens of
+    the padded pass (rows × (1 + n)), as GoodputPolicy(padded=True) reads them. target: a TargetAdapter
+    (or an HF causal LM, wrapped)."""
+    from .batch import _prefill
+    from .target.adapter import TargetAdapter
+
+    tgt = target if isinstance(target, TargetAdapter) else TargetAdapter(target)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, tgt.vocab_size, (context,), generator=g) for _ in range(rows)]
+    ids = torch.randint(0, tgt.vocab_size, (rows, 1 + max(sizes)), generator=g)
+    with torch.no_grad():
+        cache, valid, pos, *_ = _prefill(tgt, prompts)
+        S = valid.shape[1]
+
+        def run(tokens: int) -> None:
+            W = tokens // rows
+            q_pos = pos[:, -1:] + 1 + torch.arange(W)  # [rows, W]
+            causal = torch.ones(W, W, dtype=torch.bool).tril().expand(rows, W, W)
+            allowed = torch.cat([valid[:, None, :].expand(rows, W, S), causal], dim=2)
+            tgt.forward_masked(ids[:, :W].to(tgt.device), q_pos, torch.cat([pos, q_pos], dim=1), allowed, cache)
+            if tgt.device.type == "cuda":
+                torch.cuda.synchronize(tgt.device)
+            tgt.keep_block(cache, S, torch.zeros(rows, 0, dtype=torch.long))  # back to the context
+
+        return CostModel.measure(run, [rows * (1 + n) for n in sizes], repeats)
+
+
 class FixedWidth:
     """Verify every drafted token (the loops' behaviour without a policy)."""
 
@@ -181,4 +211,5 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
     return [min(best_cap_, len(c)) for c in curves]
 
 
-__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_verify"]
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_verify",
+           "profile_verify_batch"]

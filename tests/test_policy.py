@@ -111,6 +111,18 @@ def test_profile_verify_measures_each_width_and_leaves_no_trace(static):
     assert out.sequences[0].tolist() == hf_greedy(target, prompt, 8)
 
 
+def test_profile_verify_batch_measures_padded_passes_and_leaves_no_trace():
+    from dflash2.policy import profile_verify_batch
+
+    target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
+    cost = profile_verify_batch(target, rows=3, sizes=(1, 3), context=10, repeats=1)
+    assert [n for n, _ in cost.points] == [6, 12] and all(s > 0 for _, s in cost.points)
+    prompts = torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]])
+    policy = GoodputPolicy(cost, positions=3, padded=True)
+    outs = spec_generate_batch(drafter, target, prompts, max_new_tokens=10, policy=policy)
+    assert [o.sequences[0].tolist() for o in outs] == [hf_greedy(target, p.tolist(), 10) for p in prompts]
+
+
 def test_goodput_widths_follow_cost_and_confidence():
     sure = Draft(torch.arange(6), confidence=torch.full((6,), 0.95))
     unsure = Draft(torch.arange(6), confidence=torch.full((6,), 0.05))

@@ -16,8 +16,9 @@ to `out`. Methods:
     dflash2_tree     the walk drafter's lattice verified as a token tree (verify="tree"), one row per
                      size in `tree_nodes` (method names dflash2_tree<M>)
     dflash2_goodput  the walk drafter with GoodputPolicy (dflash2.policy): each round verifies the
-                     widths that maximise expected tokens per second under the verify cost
-                     profile_verify measured for the row's target step (batch 1 only)
+                     widths that maximise expected tokens per second under the verify cost measured
+                     once on this machine (profile_verify for the row's target step at batch 1,
+                     profile_verify_batch's padded pass at the row's concurrency)
     dflash2_walk_L<n> with `draft_lens: [n, ...]`: the walk drafter still runs its whole block but
                      proposes only the first n positions (drafter config `draft_len`), so the target
                      verifies n + 1 tokens per row instead of B

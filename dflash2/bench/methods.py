@@ -197,13 +197,26 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        stops: list[int], concurrency: int) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
+    policies: dict[int, Any] = {}  # dflash2_goodput: per drafter, the padded pass's cost profiled once
+
+    def policy_for(drafter):
+        from ..policy import GoodputPolicy, profile_verify_batch
+
+        if id(drafter) not in policies:
+            cost = profile_verify_batch(target, concurrency, sizes=tuple(range(1, drafter.block_size)))
+            policies[id(drafter)] = GoodputPolicy(cost, positions=drafter.block_size - 1, padded=True)
+        return policies[id(drafter)]
+
     def ours(drafter, **verify):
         def run(batch, setting, seed):
             g = torch.Generator().manual_seed(seed)
             kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
                       **setting)
+            if verify.get("policy") == "goodput":
+                kw["policy"] = policy_for(drafter)
+            extra = {k: v for k, v in verify.items() if k != "policy"}
             outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
-                spec_generate_batch(drafter, target, *batch, **kw, **verify)
+                spec_generate_batch(drafter, target, *batch, **kw, **extra)
             o = outs[0]  # timings are the batch's
             rounds = [n for r in outs for n in r.acceptance_lengths]
             other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
@@ -214,8 +227,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
 
     methods: dict[Method, Callable] = {Method("ar"): ours(None)}
     for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
-        if method.family not in ("dflash2_argmax", "dflash2_goodput"):  # no selector ablation in batches; the
-            # goodput policy's cost model is a batch-1 profile
+        if method.family != "dflash2_argmax":  # no selector ablation in batches
             methods[method] = ours(drafter, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
