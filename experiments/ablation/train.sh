@@ -7,7 +7,7 @@
 #   bash experiments/ablation/train.sh --overrides lilicorr_v2   # print a variant's overrides
 # Resumable: rerun after an interruption and each run continues from its last checkpoint.
 set -euo pipefail
-BUDGET="steps=250 ckpt_every=50"  # 1.3 s a step on 2 CPU cores: about 6 minutes a variant
+BUDGET="steps=250 ckpt_every=50"  # about 5 minutes a variant on 2 CPU cores, 30 for LiLiCorr (docs/training.md)
 overrides() {
   case $1 in
     dflash1)     echo "drafter.conv=none drafter.selector=argmax" ;;
