@@ -80,7 +80,11 @@ def test_drafter_and_target_must_fit(pair):
     with pytest.raises(ValueError, match="hidden_size"):
         spec_generate(drafter, wide, PROMPT, max_new_tokens=3)
     with pytest.raises(ValueError, match="must equal the target"):
-        DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=64)
+        DFlash2Drafter.from_target(tiny_target("qwen3"), vocab_size=64)
+    wider = DFlash2Drafter.from_target(tiny_target("qwen3"), hidden_size=64, mask_token_id=MASK)  # its own modules
+    assert (wider.config.target_hidden_size, wider.config.own_embedding, wider.config.own_lm_head) == (32, True, True)
+    with pytest.raises(ValueError, match="drafter target_hidden_size = 32, target hidden_size = 64"):
+        spec_generate(wider, wide, PROMPT, max_new_tokens=3)
 
 
 def test_target_must_be_a_causal_lm(pair):

@@ -87,7 +87,8 @@ def test_our_drafter_through_the_reference_format_and_back(tmp_path):
 
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.pop("layers.1.mlp.up_proj.weight"), "missing"),
-    (lambda t: t.__setitem__("lm_head.weight", torch.zeros(VOCAB, H, dtype=torch.float64)), "unused"),
+    (lambda t: t.__setitem__("layers.0.mlp.bias", torch.zeros(H, dtype=torch.float64)), "unused"),
+    (lambda t: t.__setitem__("lm_head.weight", torch.zeros(VOCAB, H + 1, dtype=torch.float64)), "wrong shapes"),
     (lambda t: t.__setitem__("fc.weight", torch.zeros(H, 2 * H, dtype=torch.float64)), "wrong shapes"),
     (lambda t: t.pop("candidate_selector.successor_codebook"), "missing"),
 ])

@@ -175,15 +175,19 @@ class _RowwiseLoss(torch.autograd.Function):
                 if grad is not None:
                     (grad[s: s + chunk],) = torch.autograd.grad(loss.sum(), h)
             out[s: s + chunk] = loss.detach()
-        ctx.row_loss, ctx.chunk = row_loss, chunk
-        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0), hidden.detach(), *params)
+        # backward recomputes the chunks only for `params`: only then does the graph keep row_loss (and the
+        # modules it reads) alive, and only until backward has run
+        ctx.row_loss, ctx.chunk = (row_loss if params else None), chunk
+        kept = (hidden.detach(), *params) if params else ()
+        ctx.save_for_backward(grad if grad is not None else hidden.new_empty(0), *kept)
         return out
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        grad, hidden, *params = ctx.saved_tensors
+        grad, *kept = ctx.saved_tensors
+        hidden, params = (kept[0], kept[1:]) if kept else (None, ())
         param_grads: list[Tensor | None] = [None] * len(params)
-        if any(ctx.needs_input_grad[3:]):
+        if params and any(ctx.needs_input_grad[3:]):
             param_grads = [torch.zeros_like(p) for p in params]
             for s in range(0, hidden.shape[0], ctx.chunk):
                 with torch.enable_grad():
@@ -193,6 +197,7 @@ class _RowwiseLoss(torch.autograd.Function):
                 for total, part in zip(param_grads, parts):
                     if part is not None:
                         total += part
+        ctx.row_loss = None
         row_grad = grad * g[:, None].to(grad.dtype) if grad.numel() else None
         return row_grad, None, None, *param_grads
 
