@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
 from dflash2.batch import left_pad
 from dflash2.sampling import process_logits
+from dflash2.target.static import StaticTarget
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
                            hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, perturb_selector,
                            tiny_drafter, tiny_target)
@@ -148,18 +149,23 @@ def small_drafter(selector: str) -> DFlash2Drafter:
 # the sampled walk (sparse stochastic q) at top-k 2; a deterministic path (one-hot q) at T=1
 # concurrency 1: the second row is admitted only when the first finishes
 # verify="tree": each row walks its own 3-node tree, one decision per node with the residual rule
-@pytest.mark.parametrize("selector,params,concurrency,verify", [("walk", SamplingParams(0.8, top_k=2), None, "path"),
-                                                                ("argmax", SamplingParams(1.0), None, "path"),
-                                                                ("argmax", SamplingParams(1.0), 1, "path"),
-                                                                ("walk", SamplingParams(0.8, top_k=2), None, "tree"),
-                                                                ("argmax", SamplingParams(1.0), None, "tree")],
-                         ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1", "tree_walk_T0.8_topk2",
-                              "tree_argmax_T1"])
-def test_batched_sampling_is_exact_per_row(selector, params, concurrency, verify):
+# static: the same through StaticTarget's batched step (the written-out layers over preallocated buffers)
+@pytest.mark.parametrize("selector,params,concurrency,verify,step", [
+    ("walk", SamplingParams(0.8, top_k=2), None, "path", "hf"),
+    ("argmax", SamplingParams(1.0), None, "path", "hf"),
+    ("argmax", SamplingParams(1.0), 1, "path", "hf"),
+    ("walk", SamplingParams(0.8, top_k=2), None, "tree", "hf"),
+    ("argmax", SamplingParams(1.0), None, "tree", "hf"),
+    ("walk", SamplingParams(0.8, top_k=2), 1, "path", "static"),
+    ("walk", SamplingParams(0.8, top_k=2), None, "tree", "static")],
+    ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1", "tree_walk_T0.8_topk2", "tree_argmax_T1",
+         "static_walk_T0.8_topk2_concurrency1", "static_tree_walk_T0.8_topk2"])
+def test_batched_sampling_is_exact_per_row(selector, params, concurrency, verify, step):
     drafter, lengths = small_drafter(selector), set()
+    target = small_target() if step == "hf" else StaticTarget(small_target(), drafter.target_layer_ids)
 
     def program(rng):
-        results = spec_generate_batch(drafter, small_target(), *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
+        results = spec_generate_batch(drafter, target, *left_pad(list(PROMPTS)), max_new_tokens=N_NEW,
                                       temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
                                       concurrency=concurrency, verify=verify, tree_nodes=3)
         for r in results:

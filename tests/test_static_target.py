@@ -1,6 +1,8 @@
 """StaticTarget: the target's own layers over a preallocated cache (optionally compiled) give the
 same steps as the model's forward, so decoding through it stays lossless: greedy equality with
-`generate` in float64 and the exact sampled distribution, eager and compiled."""
+`generate` in float64 and the exact sampled distribution, eager and compiled; at batch 1 and in
+batches (the batched loop's passes, row moves and slot moves; the batched exact distribution is in
+tests/test_batch.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import functools
 import pytest
 import torch
 
-from dflash2 import DFlash2Drafter, TargetAdapter, ar_generate, spec_generate
+from dflash2 import DFlash2Drafter, TargetAdapter, ar_generate, ar_generate_batch, spec_generate, spec_generate_batch
+from dflash2.batch import left_pad
 from dflash2.target.static import StaticTarget
 from tests import test_exact_distribution as exact
 from tests.helpers import HAS_CXX_COMPILER, MASK, hf_greedy, max_abs_diff, tiny_target
@@ -139,14 +142,129 @@ def test_the_compiled_step_is_lossless():
             assert out.sequences[0].tolist() == want, verify
 
 
+def recording(target):
+    """The target with its batched operations wrapped on the instance: every pass's step is kept in
+    `target.steps`, and the cache operations the loop called are counted in `target.calls`."""
+    target.steps, target.calls = [], {}
+
+    def wrap(name):
+        method = getattr(target, name)
+
+        def call(*args, **kwargs):
+            target.calls[name] = target.calls.get(name, 0) + 1
+            if name == "append_rows" and hasattr(args[0], "length") and args[1].length > args[0].length:
+                target.calls["append_rows, newcomers longer"] = target.calls.get("append_rows, newcomers longer", 0) + 1
+            out = method(*args, **kwargs)
+            if name == "forward_masked":  # and which queries are real: a block's padding does not see itself
+                ids, allowed = args[0], args[3]
+                W = ids.shape[1]
+                target.steps.append((out, allowed[:, :, -W:].diagonal(dim1=1, dim2=2)))
+            return out
+        setattr(target, name, call)
+
+    for name in ("forward_masked", "select_rows", "append_rows", "keep_slots", "keep_block"):
+        wrap(name)
+    return target
+
+
+# the fourth joins a running batch with a longer prompt than the batch has slots (the running rows move right)
+BATCH_PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7], [5, 5, 1], [(7 * i) % 40 for i in range(60)], [1]]
+
+
+@pytest.mark.parametrize("arch, fused", [(a, True) for a in ARCHS] + [("qwen3", False), ("mistral_sliding", False),
+                                                                       ("qwen2_biased_sliding", True)])
+def test_batched_passes_equal_the_models_forward(arch, fused):
+    """The batched loop over StaticTarget and over TargetAdapter, side by side with the same drafter:
+    every pass's logits and features agree (float64, 1e-10). Continuous batching at concurrency 2
+    admits newcomers with longer and shorter prompts (append_rows pads either cache), rows leave
+    (select_rows), trees keep non-adjacent slots (keep_block) and dead slots are dropped (keep_slots)."""
+    target = tiny_target(arch, scale=4.0) if arch in ARCHS else extra_target(arch)
+    d = drafter_for(target)
+    ours = recording(StaticTarget(target, d.target_layer_ids, fused=fused))
+    theirs = recording(TargetAdapter(target, d.target_layer_ids))
+    assert (ours.fused is not None) == fused, ours.fused_reason
+    ids, mask = left_pad(BATCH_PROMPTS)
+    outs = [spec_generate_batch(d, t, ids, mask, max_new_tokens=24, concurrency=2, verify="tree", tree_nodes=6)
+            for t in (ours, theirs)]
+    assert [o.sequences.tolist() for o in outs[0]] == [o.sequences.tolist() for o in outs[1]]
+    assert len(ours.steps) == len(theirs.steps) > 10
+    for (a, real), (b, _) in zip(ours.steps, theirs.steps):  # the padding queries of a block are left out: on a
+        # sliding layer one may see no key at all, which the two attentions fill differently (the loop never reads it)
+        torch.testing.assert_close(a.logits[real[:, -a.logits.shape[1]:]], b.logits[real[:, -b.logits.shape[1]:]],
+                                   rtol=0, atol=1e-10)
+        torch.testing.assert_close(a.features[real], b.features[real], rtol=0, atol=1e-10)
+    ops = ("select_rows", "append_rows", "append_rows, newcomers longer", "keep_slots", "keep_block")
+    assert all(ours.calls.get(op, 0) > 0 for op in ops), ours.calls
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batched_decoding_through_it_equals_generate(arch):
+    """ar_generate_batch and spec_generate_batch (path and tree, all rows at once and 2 at a time)
+    through StaticTarget give each row's greedy continuation."""
+    target = tiny_target(arch, scale=4.0)
+    d = drafter_for(target)
+    fast, fast_ar = StaticTarget(target, d.target_layer_ids), StaticTarget(target)
+    want = [hf_greedy(target, p, 25) for p in BATCH_PROMPTS]
+    ids, mask = left_pad(BATCH_PROMPTS)
+    for concurrency in (None, 2):
+        got = ar_generate_batch(fast_ar, ids, mask, max_new_tokens=25, concurrency=concurrency)
+        assert [o.sequences[0].tolist() for o in got] == want, concurrency
+        for verify in ("path", "tree"):
+            got = spec_generate_batch(d, fast, ids, mask, max_new_tokens=25, concurrency=concurrency, verify=verify,
+                                      tree_nodes=6)
+            assert [o.sequences[0].tolist() for o in got] == want, (concurrency, verify)
+
+
+def test_a_wrong_batched_cache_move_is_caught():
+    """Mutants of the batched cache operations move the logits away from the model's forward: a
+    newcomer with a longer prompt copied in without moving the running rows' slots right, rows kept
+    without moving them down, a tree's kept slots cropped instead of moved."""
+    target = tiny_target("qwen3", scale=4.0)
+    d = drafter_for(target)
+    ids, mask = left_pad(BATCH_PROMPTS)
+
+    class NoShift(StaticTarget):
+        def append_rows(self, cache, other):  # append_rows without moving the running rows' slots right
+            S, S2, R, n = cache.length, other.length, cache.rows, other.rows
+            L = max(S, S2)
+            self._reserve_rows(cache, R + n, L)
+            for b, t in zip(cache.keys + cache.values, other.keys + other.values):
+                b[R: R + n, :, L - S2: L] = t[:n, :, :S2]
+            cache.rows, cache.length = R + n, L
+
+    class NoRowMove(StaticTarget):
+        def select_rows(self, cache, rows):
+            cache.rows = rows.numel()  # the first rows stay, whichever finished
+
+    class CropOnly(StaticTarget):
+        def keep_block(self, cache, start, slots):
+            cache.length = start + slots.shape[1]
+
+    def passes(tgt):
+        tgt = recording(tgt)
+        spec_generate_batch(d, tgt, ids, mask, max_new_tokens=24, concurrency=2, verify="tree", tree_nodes=6)
+        return [(step.logits, real) for step, real in tgt.steps]
+
+    want = passes(TargetAdapter(target, d.target_layer_ids))
+    assert all((a - b)[r[:, -a.shape[1]:]].abs().max() < 1e-10
+               for (a, r), (b, _) in zip(passes(StaticTarget(target, d.target_layer_ids)), want))
+    for mutant in (NoShift, NoRowMove, CropOnly):
+        got = passes(mutant(target, d.target_layer_ids))
+        worst = max((a - b)[r[:, -a.shape[1]:]].abs().max() if a.shape == b.shape else float("inf")
+                    for (a, r), (b, _) in zip(got, want))
+        assert worst > 1e-4 or len(got) != len(want), mutant.__name__
+
+
 def test_unsupported_targets_and_batches_are_refused():
     with pytest.raises(NotImplementedError, match="TargetAdapter"):
         StaticTarget(tiny_target("gpt2"))
     fast = StaticTarget(tiny_target("qwen3"))
     with pytest.raises(ValueError, match="batch 1"):
         fast.forward(torch.zeros(2, 3, dtype=torch.long), fast.new_cache())
-    with pytest.raises(NotImplementedError, match="batch"):
-        fast.forward_masked(None, None, None, None, None)
+    with pytest.raises(TypeError, match="StaticCache"):
+        fast.forward_masked(torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, 1, dtype=torch.long),
+                            torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool),
+                            TargetAdapter(tiny_target("qwen3")).new_cache())
     small = StaticTarget(tiny_target("qwen3"), capacity=8)
     with pytest.raises(ValueError, match="holds 8"):
         small.forward(torch.zeros(1, 9, dtype=torch.long), small.new_cache())

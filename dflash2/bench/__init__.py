@@ -30,9 +30,10 @@ to `out`. Methods:
                      with each drafting round through torch.compile as one graph (DFlash2Drafter.compile,
                      dynamic shapes), batch 1 only; `target_steps` chooses the target's step
 
-With `target_steps: [hf, static]` every batch-1 method of our loop also runs with the target's step
-through `StaticTarget` (the model's layers over a preallocated cache, torch.compile'd: rows end in
-`_static`; compiled in the untimed warm-up run); "hf" is the model's own forward (TargetAdapter).
+With `target_steps: [hf, static]` every method of our loop also runs with the target's step through
+`StaticTarget` (the model's layers written out over a preallocated cache: rows end in `_static`; at
+batch 1 its multi-token passes torch.compile'd in the untimed warm-up run, in batches eager); "hf" is
+the model's own forward (TargetAdapter).
 
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so

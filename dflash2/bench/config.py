@@ -117,8 +117,8 @@ class BenchConfig:
     # once per dtype in vllm_dtypes (float32 as our target; bfloat16 rows end in _bf16).
     vllm_python: str | None = None
     vllm_dtypes: list[str] = field(default_factory=lambda: ["float32"])
-    # How our loop runs the target at batch 1: "hf" (TargetAdapter: the model's forward) and/or "static"
-    # (StaticTarget: its layers over a preallocated cache, torch.compile'd; rows end in _static).
+    # How our loop runs the target: "hf" (TargetAdapter: the model's forward) and/or "static" (StaticTarget:
+    # its layers written out over a preallocated cache, compiled at batch 1; rows end in _static).
     target_steps: list[str] = field(default_factory=lambda: ["hf"])
     seed: int = 0
     out: str | None = None  # None: runs/bench/<the config file's name> (outside the tracked tree)

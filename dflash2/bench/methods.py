@@ -36,7 +36,7 @@ class Method:
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
     tree_nodes: int | None = None  # dflash2_tree: verify a token tree of this many nodes
-    target_step: str = "hf"  # our loop: "hf" (the model's forward) or "static" (StaticTarget, compiled)
+    target_step: str = "hf"  # our loop: "hf" (the model's forward) or "static" (StaticTarget)
 
     @property
     def name(self) -> str:
@@ -197,26 +197,43 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        stops: list[int], concurrency: int) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    policies: dict[int, Any] = {}  # dflash2_goodput: per drafter, the padded pass's cost profiled once
+    statics: dict[tuple[int, ...], Any] = {}  # one StaticTarget per set of target layers read (eager: batches)
 
-    def policy_for(drafter):
+    def step_for(step: str, drafter):
+        from ..target.static import StaticTarget
+
+        if step == "hf":
+            return target
+        layers = () if drafter is None else tuple(drafter.target_layer_ids)
+        if layers not in statics:
+            statics[layers] = StaticTarget(target, layers)
+        return statics[layers]
+
+    policies: dict[tuple[int, int], Any] = {}  # dflash2_goodput: per target step and drafter, the padded
+    # pass's cost profiled once
+
+    def policy_for(tgt, drafter):
         from ..policy import GoodputPolicy, profile_verify_batch
+        from ..target.adapter import TargetAdapter
 
-        if id(drafter) not in policies:
-            cost = profile_verify_batch(target, concurrency, sizes=tuple(range(1, drafter.block_size)))
-            policies[id(drafter)] = GoodputPolicy(cost, positions=drafter.block_size - 1, padded=True)
-        return policies[id(drafter)]
+        key = (id(tgt), id(drafter))
+        if key not in policies:
+            step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
+            cost = profile_verify_batch(step, concurrency, sizes=tuple(range(1, drafter.block_size)))
+            policies[key] = GoodputPolicy(cost, positions=drafter.block_size - 1, padded=True)
+        return policies[key]
 
-    def ours(drafter, **verify):
+    def ours(drafter, step="hf", **verify):
         def run(batch, setting, seed):
             g = torch.Generator().manual_seed(seed)
+            tgt = step_for(step, drafter)
             kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
                       **setting)
             if verify.get("policy") == "goodput":
-                kw["policy"] = policy_for(drafter)
+                kw["policy"] = policy_for(tgt, drafter)
             extra = {k: v for k, v in verify.items() if k != "policy"}
-            outs = ar_generate_batch(target, *batch, **kw) if drafter is None else \
-                spec_generate_batch(drafter, target, *batch, **kw, **extra)
+            outs = ar_generate_batch(tgt, *batch, **kw) if drafter is None else \
+                spec_generate_batch(drafter, tgt, *batch, **kw, **extra)
             o = outs[0]  # timings are the batch's
             rounds = [n for r in outs for n in r.acceptance_lengths]
             other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
@@ -225,10 +242,13 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        [r.new_tokens.tolist() for r in outs])
         return run
 
-    methods: dict[Method, Callable] = {Method("ar"): ours(None)}
+    methods: dict[Method, Callable] = {}
+    for step in cfg.target_steps:  # hf and/or static (eager in batches)
+        methods[Method("ar", target_step=step)] = ours(None, step)
     for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
         if method.family != "dflash2_argmax":  # no selector ablation in batches
-            methods[method] = ours(drafter, **verify)
+            for step in cfg.target_steps:
+                methods[dataclasses.replace(method, target_step=step)] = ours(drafter, step, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
 

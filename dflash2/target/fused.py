@@ -3,7 +3,7 @@
 StaticTarget's default step. It reads the model's weights once and runs the same arithmetic as the
 model's own layers with fewer, larger operations:
 
-    x = embed[ids]                                                   [1, T, H]
+    x = embed[ids]                                                   [R, T, H]
     for each layer:
         q, k, v = split(rms_norm(x) @ Wqkv)                          one matrix for q, k and v
         q, k    = rope(rms_norm_per_head(q), rms_norm_per_head(k))   (the per-head norms: Qwen3)
@@ -177,31 +177,32 @@ class FusedDecoder:
 
     def step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
              values: list[Tensor], start: int) -> tuple[Tensor, list[Tensor]]:
-        """ids [1, T] at `positions` [1, T]; K/V written to slots start..start+T of keys/values
-        ([1, n_kv, capacity, hd] per layer); masks: additive [1, 1, T, start+T] per layer kind, or
-        None (a query that sees every key). → final-normed hidden states [1, T, H], and the hidden
+        """ids [R, T] at `positions` [R, T]; K/V written to slots start..start+T of keys/values
+        ([R, n_kv, capacity, hd] per layer); masks: additive [1 or R, 1, T, start+T] per layer kind,
+        or None (a query that sees every key). → final-normed hidden states [R, T, H], and the hidden
         states after each layer of `self.keep`, in its order (the last layer's: the normed one, as HF
         reports it)."""
-        T, end = ids.shape[1], start + ids.shape[1]
+        R, T = ids.shape
+        end = start + T
         hd, nq, nkv, eps = self.head_dim, self.n_q, self.n_kv, self.eps
-        x = F.embedding(ids, self.embed)  # [1, T, H]
+        x = F.embedding(ids, self.embed)  # [R, T, H]
         # the model's rotary module, per pass as its forward calls it (its float32 cos/sin of a position are
         # not the same to the last bit in every pass shape); rotate_half(x) * sin = roll(x, hd/2) * signed sin
-        cos, sin = self.rotary(x, positions)  # [1, T, hd]
-        cos, sin = cos[0, :, None], torch.cat([-sin[0, :, None, : hd // 2], sin[0, :, None, hd // 2:]], dim=-1)  # [T, 1, hd]
+        cos, sin = self.rotary(x, positions)  # [R, T, hd]
+        cos, sin = cos[:, :, None], torch.cat([-sin[:, :, None, : hd // 2], sin[:, :, None, hd // 2:]], dim=-1)  # [R, T, 1, hd]
         kept: dict[int, Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.ln_attn, eps)
-            qkv = layer.qkv(h)  # [1, T, (nq + 2 nkv) hd]
-            qk = qkv[..., : (nq + nkv) * hd].view(1, T, nq + nkv, hd)
+            qkv = layer.qkv(h)  # [R, T, (nq + 2 nkv) hd]
+            qk = qkv[..., : (nq + nkv) * hd].view(R, T, nq + nkv, hd)
             if layer.qk_norm is not None:
                 qk = _rms_norm(qk, layer.qk_norm, eps)
             qk = qk * cos + qk.roll(hd // 2, dims=-1) * sin
-            q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)  # [1, heads, T, hd]
+            q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)  # [R, heads, T, hd]
             keys[i][:, :, start:end] = k
-            values[i][:, :, start:end] = qkv[..., (nq + nkv) * hd:].view(1, T, nkv, hd).transpose(1, 2)
+            values[i][:, :, start:end] = qkv[..., (nq + nkv) * hd:].view(R, T, nkv, hd).transpose(1, 2)
             o = _attention(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.kind], self.scaling)
-            x = x + layer.o(o.transpose(1, 2).reshape(1, T, nq * hd))
+            x = x + layer.o(o.transpose(1, 2).reshape(R, T, nq * hd))
             gate, up = layer.gate_up(_rms_norm(x, layer.ln_mlp, eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
             if self.kept_after[i]:
@@ -220,7 +221,7 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """q [1, nq, T, hd], k/v [1, nkv, S, hd] (grouped heads) → [1, nq, T, hd]."""
+    """q [R, nq, T, hd], k/v [R, nkv, S, hd] (grouped heads) → [R, nq, T, hd]."""
     if SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]

@@ -24,7 +24,14 @@ dynamo's guards: docs/architecture.md, "Performance choices"); the eager path is
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
 (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
 Anything else raises NotImplementedError: use TargetAdapter, which runs every HF causal LM.
-Batch 1 only (`spec_generate`, `ar_generate`, trees); the batched loop uses TargetAdapter.
+
+Batches (`spec_generate_batch`, `ar_generate_batch`) run through the same step: `forward_masked`
+takes [R, W] ids at per-row positions with the loop's per-row key mask, over a cache preallocated as
+[rows, kv_heads, slots, hd] per layer. Appending a pass writes into the buffers; keeping a row's
+accepted slots moves a few columns down in place; a finished row's buffer row goes to the next
+prompt (`select_rows` compacts the rows, `append_rows` copies a prefilled newcomer in); the buffers
+grow (doubling) only when the rows or slots outrun them. Nothing is concatenated per pass, unlike a
+DynamicCache.
 """
 
 from __future__ import annotations
@@ -46,11 +53,17 @@ SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
 
 @dataclass
 class StaticCache:
-    """Per layer keys/values [1, kv_heads, capacity, hd] (slot = position) and the cached length."""
+    """Per layer keys/values [row capacity, kv_heads, slot capacity, hd], the slots in use (`length`;
+    batch 1: slot = position) and the rows in use (`rows`: buffer rows 0..rows-1)."""
 
     keys: list[Tensor] = field(default_factory=list)
     values: list[Tensor] = field(default_factory=list)
     length: int = 0
+    rows: int = 1
+
+    def views(self) -> tuple[list[Tensor], list[Tensor]]:
+        """The buffers' rows in use, per layer ([rows, kv_heads, slot capacity, hd] views)."""
+        return [k[: self.rows] for k in self.keys], [v[: self.rows] for v in self.values]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.length
@@ -217,7 +230,7 @@ class StaticTarget(TargetAdapter):
     def _step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
               values: list[Tensor], start: int) -> tuple[Tensor, Tensor | None]:
         """The decoder over the pass, fused or the model's layers (K/V written from slot `start`): → final-normed hidden
-        states [1, T, H] (the LM head runs outside, on the rows wanted) and features [1, T, F] or None."""
+        states [R, T, H] (the LM head runs outside, on the rows wanted) and features [R, T, F] or None."""
         if self.fused is not None:
             normed, kept = self.fused.step(ids, positions, masks, keys, values, start)
             return normed, (torch.cat(kept, dim=-1) if kept else None)
@@ -238,20 +251,110 @@ class StaticTarget(TargetAdapter):
         features = torch.cat([kept[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None
         return normed, features
 
-    # -- what the batched loop needs is not here ----------------------------------------------------
-    def forward_masked(self, *args, **kwargs):
-        raise NotImplementedError("StaticTarget runs batch 1 (spec_generate, ar_generate); batches use TargetAdapter")
+    # -- batches ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_masked(self, ids: Tensor, q_pos: Tensor, k_pos: Tensor, allowed: Tensor, cache,
+                       keep_logits: int | None = None) -> TargetStep:
+        """TargetAdapter.forward_masked through the step: ids [R, W] at q_pos [R, W] after the cache's S
+        slots, k_pos [R, S+W] every key slot's position, allowed [R, W, S+W] the keys each query sees
+        (sliding kinds also drop keys outside their window, by position). The cache grows by W slots."""
+        if not isinstance(cache, StaticCache):
+            raise TypeError("StaticTarget.forward_masked needs a StaticCache (its new_cache())")
+        self._logits_kw(keep_logits)  # the same check of keep_logits as TargetAdapter's
+        R, W = ids.shape
+        start = cache.length
+        if cache.keys and cache.rows != R:
+            raise ValueError(f"the pass has {R} rows, the cache {cache.rows}")
+        self._reserve_rows(cache, R, start + W)
+        dtype = self.model.get_input_embeddings().weight.dtype
+        masks = {}
+        for kind, window in self.kinds.items():
+            ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[:, None].to(
+                self.device)  # [R, 1, W, S+W]
+        keys, values = cache.views()
+        if self.fused is not None:
+            normed, features = self._step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
+        else:
+            with _quiet_output_hooks(), masked_gqa(self.config):
+                normed, features = self._step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
+        cache.length = start + W
+        return TargetStep(self.head(normed[:, -(keep_logits or W):]), features, ids, start, None)
+
+    def _reserve_rows(self, cache: StaticCache, rows: int, slots: int) -> None:
+        """Buffers for at least `rows` rows and `slots` slots: allocated on a cache's first pass (as
+        wide as needed), then doubled in the dimension outrun, the contents copied (rarely: a batch's
+        slots grow by one pass at a time, its rows by admissions)."""
+        if cache.keys and rows <= cache.keys[0].shape[0] and slots <= cache.keys[0].shape[2]:
+            return
+        attn = self.decoder.layers[0].self_attn
+        kv_heads = getattr(attn, "num_key_value_heads", None) or self.config.num_key_value_heads
+        weight = self.model.get_input_embeddings().weight
+        if not cache.keys:  # the first pass: exactly as large as it needs
+            new = lambda: weight.new_zeros(rows, kv_heads, slots, attn.head_dim)  # noqa: E731
+            cache.keys, cache.values = [new() for _ in range(self.num_layers)], [new() for _ in range(self.num_layers)]
+            cache.rows = rows
+            return
+        have_rows, have_slots = cache.keys[0].shape[0], cache.keys[0].shape[2]
+        new_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
+        new_slots = have_slots if slots <= have_slots else max(slots, 2 * have_slots)
+        R, S = cache.rows, cache.length
+        for buffers in (cache.keys, cache.values):
+            for i, old in enumerate(buffers):
+                buffers[i] = weight.new_zeros(new_rows, kv_heads, new_slots, attn.head_dim)
+                buffers[i][:R, :, :S] = old[:R, :, :S]
+
+    def select_rows(self, cache, rows: Tensor) -> None:
+        """Keep only the batch rows `rows` (ascending), moved to the buffers' first rows."""
+        if not isinstance(cache, StaticCache):
+            return super().select_rows(cache, rows)
+        n = rows.numel()
+        if n == cache.rows and torch.equal(rows.cpu(), torch.arange(n)):
+            return
+        index = rows.to(self.device)
+        for buffers in (cache.keys, cache.values):
+            for b in buffers:
+                b[:n, :, : cache.length] = b[:, :, : cache.length].index_select(0, index)
+        cache.rows = n
+
+    def append_rows(self, cache, other) -> None:
+        """The rows of `other` (a prefilled StaticCache) join `cache` after its rows. The cache with
+        fewer slots is left-padded (its slots move right), as the caller pads its masks."""
+        if not isinstance(cache, StaticCache):
+            return super().append_rows(cache, other)
+        if not other.keys or other.rows == 0:
+            return
+        S, S2, R, n = cache.length, other.length, cache.rows, other.rows
+        L = max(S, S2)
+        self._reserve_rows(cache, R + n, L)
+        for mine, theirs in ((cache.keys, other.keys), (cache.values, other.values)):
+            for b, t in zip(mine, theirs):
+                if S < L:  # the running rows' slots move right by L - S
+                    b[:R, :, L - S: L] = b[:R, :, :S].clone()
+                b[R: R + n, :, L - S2: L] = t[:n, :, :S2]
+        cache.rows, cache.length = R + n, L
+
+    def keep_slots(self, cache, slots: Tensor) -> None:
+        """Keep only the slots `slots` (ascending), in every row, moved to the front."""
+        if not isinstance(cache, StaticCache):
+            return super().keep_slots(cache, slots)
+        index = slots.to(self.device)
+        for buffers in (cache.keys, cache.values):
+            for b in buffers:
+                b[: cache.rows, :, : index.numel()] = b[: cache.rows, :, : cache.length].index_select(2, index)
+        cache.length = index.numel()
 
     def keep_block(self, cache, start: int, slots: Tensor) -> None:
-        """Row 0 keeps the pass's slots `slots` [1, n] (ascending), moved down after the cached prefix."""
+        """Row r keeps the pass's slots slots[r] ([R, n], ascending), moved down to follow the first
+        `start` slots; every row is cropped to start + n slots."""
         if not isinstance(cache, StaticCache):
             return super().keep_block(cache, start, slots)
-        n = slots.shape[1]
-        index = (start + slots[0]).to(self.device)
-        if not torch.equal(slots[0].cpu(), torch.arange(n)):
-            for buffers in (cache.keys, cache.values):
-                for b in buffers:
-                    b[:, :, start: start + n] = b.index_select(2, index)
+        R, n = slots.shape
+        if not torch.equal(slots.cpu(), torch.arange(n).expand(R, n)):  # otherwise a crop is all it takes
+            keys, values = cache.views()
+            for b in keys + values:
+                index = (start + slots).to(self.device)[:, None, :, None].expand(R, b.shape[1], n, b.shape[3])
+                b[:, :, start: start + n] = b.gather(2, index)
         cache.length = start + n
 
 
