@@ -156,10 +156,10 @@ def small_drafter(selector: str) -> DFlash2Drafter:
     ("argmax", SamplingParams(1.0), 1, "path", "hf"),
     ("walk", SamplingParams(0.8, top_k=2), None, "tree", "hf"),
     ("argmax", SamplingParams(1.0), None, "tree", "hf"),
-    ("walk", SamplingParams(0.8, top_k=2), 1, "path", "static"),
+    ("argmax", SamplingParams(1.0), 1, "path", "static"),
     ("walk", SamplingParams(0.8, top_k=2), None, "tree", "static")],
     ids=["walk_T0.8_topk2", "argmax_T1", "argmax_T1_concurrency1", "tree_walk_T0.8_topk2", "tree_argmax_T1",
-         "static_walk_T0.8_topk2_concurrency1", "static_tree_walk_T0.8_topk2"])
+         "static_argmax_T1_concurrency1", "static_tree_walk_T0.8_topk2"])
 def test_batched_sampling_is_exact_per_row(selector, params, concurrency, verify, step):
     drafter, lengths = small_drafter(selector), set()
     target = small_target() if step == "hf" else StaticTarget(small_target(), drafter.target_layer_ids)
