@@ -37,6 +37,7 @@ from .round import decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams
 from .target.adapter import TargetAdapter, cat_rows_left_padded
 from .tree import TokenTree
+from .verify import Draft
 
 
 @dataclass
@@ -50,7 +51,7 @@ class _Rows:
     lengths: list[list[int]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     anchors: list[int] = field(default_factory=list)
-    features: list[Tensor | None] = field(default_factory=list)
+    features: list[Tensor | None] = field(default_factory=list)  # per row: target features not yet drafted from
     draft_caches: list[object] = field(default_factory=list)
     alive: list[int] = field(default_factory=list)
     cache: object = None
@@ -107,9 +108,14 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             continue  # admit again if some newcomers finished at once
         alive = rows.alive
         depths = [min(rows.left(r) - 1, drafter.block_size - 1) for r in alive]
-        drafted = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive],
-                               [rows.anchors[r] for r in alive], [rows.features[r] for r in alive], tgt, params, rng,
-                               verify, tree_nodes, depths)
+        if policy is not None and not policy.drafts(len(alive)):  # nothing pays: a plain step for every row
+            drafted = [Draft(torch.zeros(0, dtype=torch.long, device=tgt.device)) for _ in alive]
+        else:
+            drafted = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive],
+                                   [rows.anchors[r] for r in alive], [rows.features[r] for r in alive], tgt, params,
+                                   rng, verify, tree_nodes, depths)
+            for r in alive:  # read: the drafter has them now
+                rows.features[r] = None
         sync()
         t1 = time.perf_counter()
         drafts = apply_policy(policy, drafted, t1 - t0)  # each row's tokens to verify: a prefix of its draft
@@ -183,7 +189,10 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
         rows.lengths[r].append(len(outcome.committed))
         kept[i, outcome.kept] = True
         rows.anchors[r] = outcome.committed[-1]
-        rows.features[r] = None if step.features is None else step.features[i: i + 1, outcome.kept]
+        if step.features is not None:  # the anchor's and the accepted tokens', after those the drafter has not read
+            kept_features = step.features[i: i + 1, outcome.kept]
+            rows.features[r] = kept_features if rows.features[r] is None else \
+                torch.cat([rows.features[r], kept_features], dim=1)
         if outcome.stopped:
             rows.finish[r] = "stop"
     # each row's kept slots move to the front of the block (in order) and the block is cropped after

@@ -128,7 +128,7 @@ def check_policy(policy, verify: str) -> None:
     if policy is None:
         return
     if not isinstance(policy, VerifyPolicy):
-        raise ValueError(f"policy must be a dflash2.VerifyPolicy (widths, observe), got {type(policy).__name__}")
+        raise ValueError(f"policy must be a dflash2.VerifyPolicy (drafts, widths, observe), got {type(policy).__name__}")
     if verify != "path":
         raise ValueError("a verification policy sizes path drafts: use verify='path' with policy=...")
 

@@ -42,7 +42,9 @@ from .verify import Draft
 
 @runtime_checkable
 class VerifyPolicy(Protocol):
-    """Sizes verification (path drafts). widths: each row's draft and the round's drafting seconds so
+    """Sizes verification (path drafts). drafts: before a round, with `rows` rows in flight, whether to
+    draft at all (False: a plain decoding step for every row; the drafter reads the skipped tokens'
+    target features at its next round). widths: each row's draft and the round's drafting seconds so
     far → how many of its tokens to verify (0..len; the loop truncates the draft to it). observe: after
     verification, the draft as drafted, the tokens verified and those accepted (online calibration).
 
@@ -51,6 +53,8 @@ class VerifyPolicy(Protocol):
     which are computed before token t is drawn). Deciding on token t's own value biases the output
     (tests/test_policy.py has that mutant); at temperature 0 the draft is a function of the context,
     and any width is lossless."""
+
+    def drafts(self, rows: int) -> bool: ...
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]: ...
 

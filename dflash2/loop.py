@@ -123,7 +123,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         step = tgt.forward(prompt, cache, keep_logits=1)  # logits [1, 1, V] (the last position's), features [1, T, F]
         anchor = first_token(step.logits[0, -1], params, rng)
         tokens.append(anchor)
-        new_features = step.features
+        pending = step.features  # target features the drafter has not read yet ([1, n, F] or None)
         if on_commit:
             on_commit([anchor], 0)
         sync()
@@ -132,8 +132,12 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         while finish != "stop" and len(tokens) - prompt.shape[1] < max_new_tokens:
             budget = max_new_tokens - (len(tokens) - prompt.shape[1])
             t0 = time.perf_counter()
-            [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [new_features], tgt, params, rng,
-                                     verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
+            if policy is not None and not policy.drafts(1):  # nothing pays: a plain step, no draft
+                drafted = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))
+            else:
+                [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending], tgt, params, rng,
+                                         verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
+                pending = None
             sync()
             t1 = time.perf_counter()
             [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
@@ -154,7 +158,9 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             if on_commit:
                 on_commit(outcome.committed, outcome.drafted)
             anchor = outcome.committed[-1]
-            new_features = None if step.features is None else step.features[:, outcome.kept]
+            if step.features is not None:  # the anchor's and the accepted tokens' features
+                kept = step.features[:, outcome.kept]
+                pending = kept if pending is None else torch.cat([pending, kept], dim=1)
             finish = "stop" if outcome.stopped else "length"
     sequences = torch.tensor([tokens], dtype=torch.long, device=prompt.device)
     return GenerationResult(sequences, prompt.shape[1], lengths, finish, total_s=time.perf_counter() - start,

@@ -16,7 +16,10 @@ through the greedy and exact-distribution checks).
     Each row's s_r,t falls with t, so for any total the best slots are the globally largest s_r,t
     (taken in order within each row): the policy sorts the slots once and scans the totals, as vLLM
     0.32's adaptive verification admits its best (request, position) slots under a token budget.
-    Widths of zero are allowed (a plain decoding step for that row).
+    Widths of zero are allowed (a plain decoding step for that row). Width zero still pays for the
+    draft; so before a round the policy also says whether to draft at all (`drafts`): not when a plain
+    step is expected to commit more tokens per second than the best drafting round, judged from the
+    measured drafting seconds and each position's observed acceptance rate (probing now and then).
 
 Confidences come from `Draft.confidence` where the drafter fills it (a confidence head), calibrated
 online (`Calibrator`) from the acceptances the loop reports; a draft without them is read at a
@@ -136,6 +139,9 @@ def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8
 class FixedWidth:
     """Verify every drafted token (the loops' behaviour without a policy)."""
 
+    def drafts(self, rows: int) -> bool:
+        return True
+
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         return [d.tokens.shape[0] for d in drafts]
 
@@ -144,35 +150,80 @@ class FixedWidth:
 
 
 class GoodputPolicy:
-    """Widths that maximise expected committed tokens per second of the round (module docstring).
+    """Widths that maximise expected committed tokens per second of the round (module docstring), and
+    before each round whether drafting is expected to pay at all.
 
     padded=True for `spec_generate_batch`, whose target pass is [rows, 1 + the widest draft]: every
     row pays the widest row's width, so the choice is one cap W (each row verifies up to W tokens) and
-    the pass costs verify_s(rows × (W + 1)) (the cost model read in tokens of the padded pass)."""
+    the pass costs verify_s(rows × (W + 1)) (the cost model read in tokens of the padded pass).
+
+    drafts(rows): a round that drafts costs its drafting (the last seconds measured at this number of
+    rows, smoothed) plus the pass over the widths chosen, and commits per row 1 + Σ_t s̄_t, s̄ the
+    survival of each position's observed acceptance rate; a plain step costs verify_s(rows) and
+    commits one token per row. When the plain step wins, the round does not draft; so that the
+    estimates can change, a skipped stretch is broken by one drafting round (a probe) after
+    `probe_after` skips, then after twice as many while the probes confirm it, up to `probe_max`."""
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
-                 padded: bool = False) -> None:
+                 padded: bool = False, probe_after: int = 8, probe_max: int = 256) -> None:
         self.cost, self.padded = cost, padded
         self.calibrator = calibrator or Calibrator(positions)
+        self.probe_after, self.probe_max = probe_after, probe_max
+        self.draft_s: dict[int, float] = {}  # rows → smoothed drafting seconds of a round
+        self._skipped, self._probe_in = 0, probe_after
+
+    def _raw(self, draft: Draft) -> torch.Tensor:
+        """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
+        if draft.confidence is None:
+            return torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE, dtype=torch.float64)
+        return draft.confidence.detach().cpu().double()
 
     def confidence(self, draft: Draft) -> torch.Tensor:
         """The calibrated c [L] of a draft (its own raw values, or UNKNOWN_CONFIDENCE where it has none)."""
-        raw = draft.confidence
-        if raw is None:
-            raw = torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE)
-        return self.calibrator.calibrate(raw.detach().cpu().double())
+        return self.calibrator.calibrate(self._raw(draft))
+
+    def expected_survival(self) -> list[float]:
+        """s̄ [positions]: the chance that every position up to t is accepted, from each position's
+        observed rate (the prior UNKNOWN_CONFIDENCE until it has seen about prior_strength tokens)."""
+        m = self.calibrator.prior_strength
+        rates = (self.calibrator.accepted.sum(1) + m * UNKNOWN_CONFIDENCE) / (self.calibrator.seen.sum(1) + m)
+        return torch.cumprod(rates, 0).tolist()
+
+    def _round_rate(self, curves: list[list[float]], draft_s: float) -> tuple[list[int], float]:
+        """The widths for these survival curves and their expected committed tokens per second."""
+        rows = len(curves)
+        if self.padded:
+            widths = best_cap(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+            tokens = rows * (max(widths, default=0) + 1)
+        else:
+            widths = best_widths(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+            tokens = rows + sum(widths)
+        gain = rows + sum(sum(c[:w]) for c, w in zip(curves, widths))
+        return widths, gain / max(draft_s + self.cost.verify_s(tokens), 1e-12)
+
+    def drafts(self, rows: int) -> bool:
+        draft_s = self.draft_s.get(rows)
+        if draft_s is None:  # its cost at this many rows is not known yet: draft, and measure it
+            return True
+        _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
+        if rate > rows / max(self.cost.verify_s(rows), 1e-12):
+            self._skipped, self._probe_in = 0, self.probe_after
+            return True
+        self._skipped += 1
+        if self._skipped > self._probe_in:  # a probe: draft once, wait twice as long before the next
+            self._skipped, self._probe_in = 0, min(2 * self._probe_in, self.probe_max)
+            return True
+        return False
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        if any(d.tokens.shape[0] for d in drafts):  # a drafting round: its seconds, smoothed per number of rows
+            old = self.draft_s.get(len(drafts))
+            self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
         curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
-        if self.padded:
-            return best_cap(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
-        return best_widths(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+        return self._round_rate(curves, draft_s)[0]
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:
-        raw = draft.confidence
-        if raw is None:
-            raw = torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE)
-        self.calibrator.observe(raw.detach().cpu(), verified, accepted)
+        self.calibrator.observe(self._raw(draft), verified, accepted)
 
 
 def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
@@ -181,9 +232,8 @@ def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> l
     rows = len(curves)
     slots = sorted(((s, r, t) for r, curve in enumerate(curves) for t, s in enumerate(curve)),
                    key=lambda slot: (-slot[0], slot[1], slot[2]))
-    taken = [0] * rows
-    gain, best, best_count = float(rows), float(rows) / max(round_s(rows), 1e-12), 0
-    counts = [0] * rows
+    gain, best = float(rows), float(rows) / max(round_s(rows), 1e-12)
+    counts, taken = [0] * rows, [0] * rows  # slots taken so far, and at the best total
     for k, (s, r, t) in enumerate(slots, start=1):
         if t != counts[r]:  # a slot before it in the same row is not taken yet: curves must not rise
             raise ValueError(f"survival curve of row {r} rises at position {t}")
@@ -191,9 +241,7 @@ def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> l
         gain += s
         rate = gain / max(round_s(rows + k), 1e-12)
         if rate > best:
-            best, best_count = rate, k
-    for s, r, t in slots[:best_count]:
-        taken[r] += 1
+            best, taken = rate, list(counts)
     return taken
 
 

@@ -24,10 +24,17 @@ DETECT = 1e-4
 
 class ScriptedWidths:
     """An adversarial policy: round k verifies min(script[k % len], drafted) tokens of every row, whatever
-    the confidences say (a valid policy: the widths never depend on the drafted tokens' values)."""
+    the confidences say (a valid policy: the widths never depend on the drafted tokens' values); with
+    `skips`, the j-th round asked skips its draft when skips[j % len] (a plain step for every row)."""
 
-    def __init__(self, script: list[int]) -> None:
+    def __init__(self, script: list[int], skips: list[bool] = (False,)) -> None:
         self.script, self.round, self.seen = script, 0, []
+        self.skips, self.asked = list(skips), 0
+
+    def drafts(self, rows: int) -> bool:
+        skip = self.skips[self.asked % len(self.skips)]
+        self.asked += 1
+        return not skip
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         w = self.script[self.round % len(self.script)]
@@ -166,18 +173,115 @@ def test_policies_are_checked():
 # -- losslessness under any widths -------------------------------------------------------------------
 @settings(max_examples=12)
 @given(script=st.lists(st.integers(0, 4), min_size=1, max_size=5), budget=st.integers(1, 14),
-       prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6))
-def test_greedy_output_is_the_targets_whatever_the_widths(script, budget, prompt):
+       prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6),
+       skips=st.lists(st.booleans(), min_size=1, max_size=4))
+def test_greedy_output_is_the_targets_whatever_the_widths(script, budget, prompt, skips):
     target = tiny_target("qwen3")
     drafter = tiny_drafter("qwen3", 5, selector="walk")
     want = hf_greedy(target, prompt, budget)
-    policy = ScriptedWidths(script)
+    policy = ScriptedWidths(script, skips)
     out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy)
     assert out.sequences[0].tolist() == want
     assert all(n <= min(max(script), 4) + 1 for n in out.acceptance_lengths)  # the widths were applied
     batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=budget,
-                                policy=ScriptedWidths(script))
+                                policy=ScriptedWidths(script, skips))
     assert [r.sequences[0].tolist() for r in batch] == [want, hf_greedy(target, prompt[::-1], budget)]
+
+
+class FeatureCount:
+    """Wraps a drafter's propose: checks that every round's drafter has read the target
+    features of every token before its anchor, once (skipped rounds' features come at the next draft)."""
+
+    def __init__(self, drafter, prompt_lengths: list[int], committed: list[int]):
+        self.read = [0] * len(prompt_lengths)
+        self.prompt_lengths, self.committed, self.rounds = prompt_lengths, committed, 0
+        propose = drafter.propose
+
+        def one(cache, anchor, features, *args):
+            self._check([0], [features])
+            return propose(cache, anchor, features, *args)
+
+        drafter.propose = one
+
+    def _check(self, rows, features):
+        for r, f in zip(rows, features):
+            self.read[r] += 0 if f is None else f.shape[1]
+            assert self.read[r] == self.prompt_lengths[r] + self.committed[r] - 1, (self.read, self.committed)
+        self.rounds += 1
+
+
+@pytest.mark.parametrize("skips", [[True, False], [False, True, True], [True, True, True, False]])
+def test_a_skipped_round_hands_its_features_to_the_next_draft(skips):
+    """After plain steps the drafter reads every committed token's features, once and in order: the
+    count matches at every draft, and the run with skips drafts what the run without them drafts at the
+    same committed prefix (greedy: the drafts depend only on the context)."""
+    target = tiny_target("qwen3")
+    prompt = [3, 1, 4, 1, 5]
+
+    def run(skip_script):
+        drafter = tiny_drafter("qwen3", 5, selector="walk").with_config()  # a copy: propose is wrapped
+        committed, drafts = [0], {}
+        spy = FeatureCount(drafter, [len(prompt)], committed)
+        propose = drafter.propose
+
+        def recorded(cache, anchor, features, *args):
+            draft = propose(cache, anchor, features, *args)
+            drafts[committed[0]] = draft.tokens.tolist()
+            return draft
+
+        drafter.propose = recorded
+        spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=24,
+                      policy=ScriptedWidths([1], skip_script),
+                      on_commit=lambda tokens, n: committed.__setitem__(0, committed[0] + len(tokens)))
+        return spy.rounds, drafts
+
+    rounds, with_skips = run(skips)
+    _, without = run([False])
+    assert rounds > 2 and with_skips and all(without.get(n) == d for n, d in with_skips.items() if n in without)
+    assert sum(n in without for n in with_skips) >= 2  # the comparison is not empty
+
+
+class CountedGoodput(GoodputPolicy):
+    """GoodputPolicy with a fixed drafting time (no wall clock): records its drafts() answers."""
+
+    def __init__(self, *args, draft_time=0.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.draft_time, self.answers = draft_time, []
+
+    def drafts(self, rows):
+        self.answers.append(super().drafts(rows))
+        return self.answers[-1]
+
+    def widths(self, drafts, draft_s):
+        return super().widths(drafts, self.draft_time)
+
+
+def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_less_and_less():
+    """A drafter whose tokens are never accepted, against a pass that costs more per token than it
+    commits: after its first round the policy stops drafting, then probes at growing intervals; with
+    a cheap pass and accepted drafts it always drafts."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    policy = CountedGoodput(cost, positions=4, probe_after=2, probe_max=8, draft_time=0.5)
+    blind = Draft(torch.arange(4))
+    for _ in range(40):  # the loop's protocol: drafts(), then widths() and observe() when it drafted
+        if policy.drafts(1):
+            [w] = policy.widths([blind], 0.0)
+            policy.observe(blind, w, 0)
+    answers = policy.answers
+    probes = [i for i, a in enumerate(answers) if a]
+    assert answers[0] and not answers[1]  # the first round measures the drafting time, then it stops
+    gaps = [b - a for a, b in zip(probes[1:], probes[2:])]
+    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] and max(gaps) <= 9, (probes, gaps)
+    eager = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_time=0.1)
+    sure = Draft(torch.arange(4))
+    for _ in range(20):
+        if eager.drafts(1):
+            [w] = eager.widths([sure], 0.0)
+            eager.observe(sure, w, w)
+    assert all(eager.answers)
+    padded = CountedGoodput(cost, positions=4, padded=True, draft_time=0.5)  # the batched decision, per row count
+    assert padded.drafts(3) and padded.widths([blind] * 3, 0.0) is not None and 3 in padded.draft_s
+    assert 2 not in padded.draft_s and padded.drafts(2)  # another row count: its cost is measured first
 
 
 def _distribution_with(policy_factory, drafter_name, params):
@@ -190,6 +294,13 @@ def _distribution_with(policy_factory, drafter_name, params):
 def test_sampled_output_is_exact_whatever_the_widths(script, drafter_name):
     params = PARAMS["T0.7_topk2"]
     got = _distribution_with(lambda: ScriptedWidths(script), drafter_name, params)
+    assert max_abs_diff(got, ar_distribution(params)) < EXACT
+
+
+@pytest.mark.parametrize("skips", [[True, False], [False, True]])
+def test_sampled_output_is_exact_when_rounds_skip_their_draft(skips):
+    params = PARAMS["T0.7_topk2"]
+    got = _distribution_with(lambda: ScriptedWidths([2], skips), "sampled_walk_sparse_q", params)
     assert max_abs_diff(got, ar_distribution(params)) < EXACT
 
 
