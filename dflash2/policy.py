@@ -171,6 +171,7 @@ class GoodputPolicy:
         self.probe_after, self.probe_max = probe_after, probe_max
         self.draft_s: dict[int, float] = {}  # rows → smoothed drafting seconds of a round
         self._skipped, self._probe_in = 0, probe_after
+        self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -205,8 +206,10 @@ class GoodputPolicy:
         draft_s = self.draft_s.get(rows)
         if draft_s is None:  # its cost at this many rows is not known yet: draft, and measure it
             return True
-        _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
-        if rate > rows / max(self.cost.verify_s(rows), 1e-12):
+        if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
+            _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
+            self._pays[rows] = rate > rows / max(self.cost.verify_s(rows), 1e-12)
+        if self._pays[rows]:
             self._skipped, self._probe_in = 0, self.probe_after
             return True
         self._skipped += 1
@@ -219,11 +222,14 @@ class GoodputPolicy:
         if any(d.tokens.shape[0] for d in drafts):  # a drafting round: its seconds, smoothed per number of rows
             old = self.draft_s.get(len(drafts))
             self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
+            self._pays.clear()
         curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
         return self._round_rate(curves, draft_s)[0]
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:
-        self.calibrator.observe(self._raw(draft), verified, accepted)
+        if verified:
+            self.calibrator.observe(self._raw(draft), verified, accepted)
+            self._pays.clear()
 
 
 def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
