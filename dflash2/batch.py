@@ -3,6 +3,7 @@
     repeat while some row is alive or waiting:
         if fewer than `concurrency` rows are in flight: prefill the next waiting prompts (left-padded)
             → each newcomer's first token (its anchor); they join the batch (continuous batching)
+        (with a policy: unless it says a plain step pays more this round; then every draft is empty)
         each alive row r drafts L_r tokens, or with verify="tree" a token tree of L_r nodes (one
         drafter pass for all rows over their shared context when the drafter is a BatchDrafter;
         otherwise each row from its own drafter cache)

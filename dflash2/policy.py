@@ -32,6 +32,7 @@ machine it runs on, in a second or two, for a batch-1 target.
 from __future__ import annotations
 
 import bisect
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -40,7 +41,11 @@ import torch
 from .confidence import Calibrator, survival
 from .verify import Draft
 
-UNKNOWN_CONFIDENCE = 0.5  # the raw value a draft without confidences is read at (one calibrator bin per position)
+# The raw value a draft without confidences is read at (one calibrator bin per position): optimistic, so that a
+# policy starts by drafting and verifying as the fixed rows do and narrows only on evidence (a pessimistic prior
+# would skip the drafts that could prove it wrong).
+UNKNOWN_CONFIDENCE = 0.9
+SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
 
 
 @dataclass(frozen=True)
@@ -161,8 +166,9 @@ class GoodputPolicy:
     rows, smoothed) plus the pass over the widths chosen, and commits per row 1 + Σ_t s̄_t, s̄ the
     survival of each position's observed acceptance rate; a plain step costs verify_s(rows) and
     commits one token per row. When the plain step wins, the round does not draft; so that the
-    estimates can change, a skipped stretch is broken by one drafting round (a probe) after
-    `probe_after` skips, then after twice as many while the probes confirm it, up to `probe_max`."""
+    estimates can change, a skipped stretch is broken by one drafting round (a probe, verified in
+    full) after `probe_after` skips, then after twice as many while the probes confirm it, up to
+    `probe_max`. The first round at a number of rows is a probe too (it measures the drafting time)."""
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, probe_after: int = 8, probe_max: int = 256) -> None:
@@ -172,6 +178,8 @@ class GoodputPolicy:
         self.draft_s: dict[int, float] = {}  # rows → smoothed drafting seconds of a round
         self._skipped, self._probe_in = 0, probe_after
         self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
+        self._probing = False  # this round drafts to learn: verify all of it
+        self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -205,6 +213,7 @@ class GoodputPolicy:
     def drafts(self, rows: int) -> bool:
         draft_s = self.draft_s.get(rows)
         if draft_s is None:  # its cost at this many rows is not known yet: draft, and measure it
+            self._probing = True
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
@@ -213,18 +222,27 @@ class GoodputPolicy:
             self._skipped, self._probe_in = 0, self.probe_after
             return True
         self._skipped += 1
-        if self._skipped > self._probe_in:  # a probe: draft once, wait twice as long before the next
-            self._skipped, self._probe_in = 0, min(2 * self._probe_in, self.probe_max)
-            return True
-        return False
+        if self._skipped <= self._probe_in:
+            self.chosen[SKIPPED] += rows
+            return False
+        # a probe: draft and verify it all once, then wait twice as long before the next
+        self._skipped, self._probe_in = 0, min(2 * self._probe_in, self.probe_max)
+        self._probing = True
+        return True
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         if any(d.tokens.shape[0] for d in drafts):  # a drafting round: its seconds, smoothed per number of rows
             old = self.draft_s.get(len(drafts))
             self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
             self._pays.clear()
-        curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
-        return self._round_rate(curves, draft_s)[0]
+        if self._probing:  # a round drafted to learn: every position it drafted is observed
+            self._probing = False
+            widths = [d.tokens.shape[0] for d in drafts]
+        else:
+            curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
+            widths = self._round_rate(curves, draft_s)[0]
+        self.chosen.update(widths)
+        return widths
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:
         if verified:

@@ -33,6 +33,10 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
             assert len(r["acceptance_by_position"]) == r["block_size"] - 1
             assert set(r["per_round_ms"]) == {"draft", "verify", "other"}
     assert all(r["tau"] <= 4 for r in rows if r["method"] == "dflash2_walk_L3")  # 3 drafts + the bonus
+    adaptive = [r for r in rows if r["method"] == "dflash2_goodput"]  # its widths and its cost curve
+    assert adaptive and all(sum(r["width_histogram"].values()) == pytest.approx(1.0) for r in adaptive)
+    assert all(len(r["cost_curve_ms"]) >= 2 and all(ms > 0 for _, ms in r["cost_curve_ms"]) for r in adaptive)
+    assert "What the adaptive rows chose" in (out / "results.md").read_text()
     ar = [r for r in rows if r["method"] == "ar"]
     assert all(r["speedup"] == 1.0 for r in ar)
     for r in rows:  # our drafters against the faster HF speculative baseline of their group (batch 1)
@@ -171,16 +175,18 @@ def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
     monkeypatch.setattr(static_target.StaticTarget, "__init__",
                         lambda self, *a, compile=False, **k: original(self, *a, compile=False, **k))
     out = tmp_path / "bench"
-    assert main(["--quick", f"out={out}", "target_steps=[hf,static]", "datasets=[humaneval]", "concurrency=[1]",
+    assert main(["--quick", f"out={out}", "target_steps=[hf,static]", "datasets=[humaneval]", "concurrency=[1,2]",
                  "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
-    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
-    assert set(rows) == {"ar", "ar_static", "dflash2_walk", "dflash2_walk_static", "dflash2_tree7",
-                         "dflash2_tree7_static"}
-    for name in ("ar", "dflash2_walk", "dflash2_tree7"):
-        assert rows[name]["target_step"] == "hf" and rows[name + "_static"]["target_step"] == "static"
-        assert rows[name]["tau"] == rows[name + "_static"]["tau"]
-        assert rows[name]["new_tokens"] == rows[name + "_static"]["new_tokens"]
-    assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "hf_generate")
+    all_rows = json.loads((out / "results.json").read_text())["rows"]
+    for concurrency in (1, 2):  # batch 1 and batched (StaticTarget's batched step)
+        rows = {r["method"]: r for r in all_rows if r["concurrency"] == concurrency}
+        assert set(rows) == {"ar", "ar_static", "dflash2_walk", "dflash2_walk_static", "dflash2_tree7",
+                             "dflash2_tree7_static"}
+        for name in ("ar", "dflash2_walk", "dflash2_tree7"):
+            assert rows[name]["target_step"] == "hf" and rows[name + "_static"]["target_step"] == "static"
+            assert rows[name]["tau"] == rows[name + "_static"]["tau"]
+            assert rows[name]["new_tokens"] == rows[name + "_static"]["new_tokens"]
+        assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "hf_generate")
 
 
 def test_quick_bench_needs_no_optional_package(tmp_path, monkeypatch, capsys):

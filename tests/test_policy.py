@@ -148,7 +148,7 @@ def test_goodput_learns_what_verification_accepts():
     first token is never accepted is not verified once the evidence is in."""
     policy = GoodputPolicy(CostModel(((1, 1.0), (2, 1.2))), positions=4)
     blind = Draft(torch.arange(4))
-    assert policy.widths([blind], 0.0)[0] > 0  # the prior (c = 0.5) pays at this cost
+    assert policy.widths([blind], 0.0)[0] > 0  # the prior (c = UNKNOWN_CONFIDENCE) pays at this cost
     for _ in range(50):
         policy.observe(blind, 4, 0)
     assert policy.widths([blind], 0.0) == [0]

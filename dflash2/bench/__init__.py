@@ -18,7 +18,10 @@ to `out`. Methods:
     dflash2_goodput  the walk drafter with GoodputPolicy (dflash2.policy): each round verifies the
                      widths that maximise expected tokens per second under the verify cost measured
                      once on this machine (profile_verify for the row's target step at batch 1,
-                     profile_verify_batch's padded pass at the row's concurrency)
+                     profile_verify_batch's padded pass at the row's concurrency), or skips the draft
+                     when a plain step pays more; its rows carry `width_histogram` (share of
+                     row-rounds per verified width, "skip" for rounds not drafted) and `cost_curve_ms`
+                     (the curve it used), also tabled under results.md's main table
     dflash2_walk_L<n> with `draft_lens: [n, ...]`: the walk drafter still runs its whole block but
                      proposes only the first n positions (drafter config `draft_len`), so the target
                      verifies n + 1 tokens per row instead of B

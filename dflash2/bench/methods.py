@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -73,6 +74,8 @@ class Run:
     acceptance: list[int] | None = None  # tokens per round (spec methods)
     breakdown: dict[str, float] | None = None  # seconds: prefill, draft, verify, other
     outputs: list[list[int]] = field(default_factory=list)  # the generated ids of each row
+    widths: dict[int, int] | None = None  # an adaptive row: row-rounds per verified width (-1: not drafted)
+    cost: list[tuple[int, float]] | None = None  # and its policy's cost curve (tokens in a pass, seconds)
 
     def __add__(self, other: Run) -> Run:
         """Two turns of one conversation (or set) as one run: tokens, seconds and rounds add up."""
@@ -80,8 +83,15 @@ class Run:
             (self.acceptance or []) + (other.acceptance or [])
         parts = None if not (self.breakdown and other.breakdown) else \
             {k: self.breakdown[k] + other.breakdown[k] for k in self.breakdown}
+        widths = None if self.widths is None and other.widths is None else \
+            dict(Counter(self.widths or {}) + Counter(other.widths or {}))
         return Run(self.new_tokens + other.new_tokens, self.seconds + other.seconds, acc, parts,
-                   self.outputs + other.outputs)
+                   self.outputs + other.outputs, widths, self.cost or other.cost)
+
+
+def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
+    """The policy's row-rounds per width since `before` (a copy of policy.chosen taken before the run)."""
+    return dict(policy.chosen - before) if before is not None else None
 
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
@@ -115,8 +125,10 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             layers = () if drafter is None else tuple(drafter.target_layer_ids)
             tgt = target if step == "hf" else static(layers)
             kw = dict(verify)
+            before = None
             if kw.get("policy") == "goodput":
                 kw["policy"] = policy_for(tgt, drafter)
+                before = Counter(kw["policy"].chosen)
             out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
                    spec_generate(drafter, tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops,
@@ -124,7 +136,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             other = out.total_s - out.prefill_s - out.draft_s - out.verify_s
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
                        dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other),
-                       [out.new_tokens.tolist()])
+                       [out.new_tokens.tolist()], _chosen(kw.get("policy"), before),
+                       None if before is None else list(kw["policy"].cost.points))
         return run
 
     def hf(**extra):
@@ -229,8 +242,10 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             tgt = step_for(step, drafter)
             kw = dict(max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g, concurrency=concurrency,
                       **setting)
+            before = None
             if verify.get("policy") == "goodput":
                 kw["policy"] = policy_for(tgt, drafter)
+                before = Counter(kw["policy"].chosen)
             extra = {k: v for k, v in verify.items() if k != "policy"}
             outs = ar_generate_batch(tgt, *batch, **kw) if drafter is None else \
                 spec_generate_batch(drafter, tgt, *batch, **kw, **extra)
@@ -239,7 +254,8 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             other = o.total_s - o.prefill_s - o.draft_s - o.verify_s
             return Run(sum(r.new_tokens.numel() for r in outs), o.total_s, None if drafter is None else rounds,
                        dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other),
-                       [r.new_tokens.tolist() for r in outs])
+                       [r.new_tokens.tolist() for r in outs], _chosen(kw.get("policy"), before),
+                       None if before is None else list(kw["policy"].cost.points))
         return run
 
     methods: dict[Method, Callable] = {}

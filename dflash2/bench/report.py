@@ -10,6 +10,7 @@ import platform
 import shlex
 import statistics
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,15 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
         if lengths:
             row["acceptance_by_position"] = [sum(n - 1 >= k for n in lengths) / len(lengths) for k in range(1, block)]
             row["acceptance_histogram"] = acceptance_histogram(lengths, block)
+        chosen: Counter[int] = Counter()  # an adaptive row's widths, and the cost curve it used
+        for _, _, r in items:
+            chosen.update(r.widths or {})
+        if chosen:
+            total = sum(chosen.values())
+            row["width_histogram"] = {("skip" if w < 0 else str(w)): n / total for w, n in sorted(chosen.items())}
+            curve = next((r.cost for _, _, r in items if r.cost), None)
+            if curve:
+                row["cost_curve_ms"] = [[n, 1e3 * sec] for n, sec in curve]
         parts = [r.breakdown for _, _, r in items if r.breakdown]
         if parts and lengths:
             rounds = len(lengths)
@@ -151,6 +161,16 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
         lines.append(f"| {r['dataset']} | {r['block_size'] or '—'} | {r['concurrency']} | {r['setting']} | {r['method']} | "
                      f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])}{spread} | "
                      f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
+    adaptive = [r for r in rows if r.get("width_histogram")]
+    if adaptive:
+        lines += ["", "What the adaptive rows chose: the share of row-rounds verified at each width (skip: rounds "
+                  "it did not draft, a plain step), and the cost curve its policy used (tokens in a target pass → "
+                  "ms, measured at warm-up on this machine).", "",
+                  "| concurrency | setting | method | widths (share of row-rounds) | cost curve |", "|---|---|---|---|---|"]
+        for r in adaptive:
+            widths = ", ".join(f"{w} {share:.0%}" for w, share in r["width_histogram"].items() if share >= 0.005)
+            curve = ", ".join(f"{n} → {ms:.1f}" for n, ms in r.get("cost_curve_ms", []))
+            lines.append(f"| {r['concurrency']} | {r['setting']} | {r['method']} | {widths} | {curve} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
 

@@ -30,8 +30,8 @@ takes [R, W] ids at per-row positions with the loop's per-row key mask, over a c
 [rows, kv_heads, slots, hd] per layer. Appending a pass writes into the buffers; keeping a row's
 accepted slots moves a few columns down in place; a finished row's buffer row goes to the next
 prompt (`select_rows` compacts the rows, `append_rows` copies a prefilled newcomer in); the buffers
-grow (doubling) only when the rows or slots outrun them. Nothing is concatenated per pass, unlike a
-DynamicCache.
+grow (doubling) only when the rows or slots outrun them. Batched passes run eager, whatever
+`compile` says (the rows and the mask change every round).
 """
 
 from __future__ import annotations

@@ -213,6 +213,22 @@ def main() -> int:
                             "speculative decoding (`vllm_dflash1`, our exported DFlash-1) runs at about half its plain "
                             "decoding here, as ours does against the engine: see the roofline section for why a "
                             "16-token verify cannot pay at 8 rows on this CPU.")
+    lines += _bench_section("bench_regimes", "Regimes: 1, 8 and 32 rows, greedy and sampling, with the adaptive row (B = 16)",
+                            "configs/bench/regimes.yaml",
+                            "Every row of ours runs the target through StaticTarget (the written-out step; in "
+                            "batches over its preallocated per-row buffers), our fastest plain decoding at every "
+                            "concurrency. `dflash2_goodput` is the adaptive row: GoodputPolicy sizes each round's "
+                            "verification from the measured costs and the observed acceptance, and skips the draft "
+                            "when a plain step pays more. With 20 prompts, concurrency 32 serves all 20 at once. "
+                            "This run used the policy's first prior (a draft without confidences read at 0.5): at "
+                            "batch 1 greedy it stopped drafting where every fixed row wins (τ 1.01), the defect "
+                            "docs/architecture.md describes; the sampling and batched cells show what skipping "
+                            "costs and saves.")
+    lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
+                            "configs/bench/regimes_vllm.yaml",
+                            "Our plain decoding, the 15-node tree and the adaptive row (all through StaticTarget) "
+                            "with vLLM's CPU build's plain decoding on the same prompts in the same run, float32 and "
+                            "bfloat16 (the engine's rows after each repetition of ours).")
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
                             "The model cards' suites in z-lab/dflash's format through the target's chat template "
