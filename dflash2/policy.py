@@ -241,7 +241,8 @@ class GoodputPolicy:
         else:
             curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
             widths = self._round_rate(curves, draft_s)[0]
-        self.chosen.update(widths)
+        if any(d.tokens.shape[0] for d in drafts):  # (a round that drafted nothing was counted as SKIPPED)
+            self.chosen.update(widths)
         return widths
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:

@@ -89,6 +89,31 @@ class Run:
                    self.outputs + other.outputs, widths, self.cost or other.cost)
 
 
+class _Policies:
+    """dflash2_goodput's policies: the verify cost profiled once per target step and drafter (`profile`:
+    profile_verify, or profile_verify_batch at the table's concurrency), and one GoodputPolicy per target
+    step, drafter and sampling setting (what is accepted at T = 1 is not what greedy accepts), its
+    calibration carried from prompt to prompt, as a server's would be."""
+
+    def __init__(self, profile: Callable, padded: bool) -> None:
+        self.profile, self.padded = profile, padded
+        self.costs: dict[tuple, Any] = {}
+        self.policies: dict[tuple, Any] = {}
+
+    def __call__(self, tgt, drafter, setting: dict):
+        from ..policy import GoodputPolicy
+        from ..target.adapter import TargetAdapter
+
+        key = (id(tgt), id(drafter))
+        if key not in self.costs:
+            step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
+            self.costs[key] = self.profile(step, sizes=tuple(range(1, drafter.block_size)))
+        full = (*key, tuple(sorted(setting.items())))
+        if full not in self.policies:
+            self.policies[full] = GoodputPolicy(self.costs[key], positions=drafter.block_size - 1, padded=self.padded)
+        return self.policies[full]
+
+
 def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
     """The policy's row-rounds per width since `before` (a copy of policy.chosen taken before the run)."""
     return dict(policy.chosen - before) if before is not None else None
@@ -105,19 +130,9 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
         return statics[layer_ids]
 
-    policies: dict[tuple[int, int], Any] = {}  # dflash2_goodput: one per target step and drafter, its verify
-    # cost profiled once, its calibration carried from prompt to prompt (as a server's would be)
+    from ..policy import profile_verify
 
-    def policy_for(tgt, drafter):
-        from ..policy import GoodputPolicy, profile_verify
-        from ..target.adapter import TargetAdapter
-
-        key = (id(tgt), id(drafter))
-        if key not in policies:
-            step = tgt if hasattr(tgt, "keep") else TargetAdapter(tgt, drafter.target_layer_ids)
-            cost = profile_verify(step, sizes=tuple(range(1, drafter.block_size)))
-            policies[key] = GoodputPolicy(cost, positions=drafter.block_size - 1)
-        return policies[key]
+    policy_for = _Policies(profile_verify, padded=False)
 
     def ours(drafter, step="hf", **verify):
         def run(ids, setting, seed):
@@ -127,7 +142,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             kw = dict(verify)
             before = None
             if kw.get("policy") == "goodput":
-                kw["policy"] = policy_for(tgt, drafter)
+                kw["policy"] = policy_for(tgt, drafter, setting)
                 before = Counter(kw["policy"].chosen)
             out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
@@ -222,19 +237,9 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             statics[layers] = StaticTarget(target, layers)
         return statics[layers]
 
-    policies: dict[tuple[int, int], Any] = {}  # dflash2_goodput: per target step and drafter, the padded
-    # pass's cost profiled once
+    from ..policy import profile_verify_batch
 
-    def policy_for(tgt, drafter):
-        from ..policy import GoodputPolicy, profile_verify_batch
-        from ..target.adapter import TargetAdapter
-
-        key = (id(tgt), id(drafter))
-        if key not in policies:
-            step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
-            cost = profile_verify_batch(step, concurrency, sizes=tuple(range(1, drafter.block_size)))
-            policies[key] = GoodputPolicy(cost, positions=drafter.block_size - 1, padded=True)
-        return policies[key]
+    policy_for = _Policies(lambda step, sizes: profile_verify_batch(step, concurrency, sizes=sizes), padded=True)
 
     def ours(drafter, step="hf", **verify):
         def run(batch, setting, seed):
@@ -244,7 +249,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                       **setting)
             before = None
             if verify.get("policy") == "goodput":
-                kw["policy"] = policy_for(tgt, drafter)
+                kw["policy"] = policy_for(tgt, drafter, setting)
                 before = Counter(kw["policy"].chosen)
             extra = {k: v for k, v in verify.items() if k != "policy"}
             outs = ar_generate_batch(tgt, *batch, **kw) if drafter is None else \
