@@ -168,7 +168,9 @@ class GoodputPolicy:
     commits one token per row. When the plain step wins, the round does not draft; so that the
     estimates can change, a skipped stretch is broken by one drafting round (a probe, verified in
     full) after `probe_after` skips, then after twice as many while the probes confirm it, up to
-    `probe_max`. The first round at a number of rows is a probe too (it measures the drafting time)."""
+    `probe_max`. The first round is a probe too (it measures the drafting time; a number of rows not
+    measured yet is estimated from the others, `draft_cost`, so that a draining batch does not probe
+    at every size)."""
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, probe_after: int = 8, probe_max: int = 256) -> None:
@@ -210,9 +212,21 @@ class GoodputPolicy:
         gain = rows + sum(sum(c[:w]) for c, w in zip(curves, widths))
         return widths, gain / max(draft_s + self.cost.verify_s(tokens), 1e-12)
 
+    def draft_cost(self, rows: int) -> float | None:
+        """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
+        at the next larger number measured (drafting fewer rows costs no more), else the largest
+        measured scaled up linearly; None before any drafting round."""
+        if rows in self.draft_s or not self.draft_s:
+            return self.draft_s.get(rows)
+        larger = [r for r in self.draft_s if r > rows]
+        if larger:
+            return self.draft_s[min(larger)]
+        most = max(self.draft_s)
+        return self.draft_s[most] * rows / most
+
     def drafts(self, rows: int) -> bool:
-        draft_s = self.draft_s.get(rows)
-        if draft_s is None:  # its cost at this many rows is not known yet: draft, and measure it
+        draft_s = self.draft_cost(rows)
+        if draft_s is None:  # no drafting time measured yet: draft, and measure it
             self._probing = True
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)

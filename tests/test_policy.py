@@ -280,8 +280,9 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_less_and_
             eager.observe(sure, w, w)
     assert all(eager.answers)
     padded = CountedGoodput(cost, positions=4, padded=True, draft_time=0.5)  # the batched decision, per row count
-    assert padded.drafts(3) and padded.widths([blind] * 3, 0.0) is not None and 3 in padded.draft_s
-    assert 2 not in padded.draft_s and padded.drafts(2)  # another row count: its cost is measured first
+    assert padded.draft_cost(3) is None and padded.drafts(3)  # nothing measured yet: draft and measure
+    assert padded.widths([blind] * 3, 0.0) == [4, 4, 4] and padded.draft_s == {3: 0.5}  # a probe: verified in full
+    assert padded.draft_cost(2) == 0.5 and padded.draft_cost(6) == 1.0  # other row counts: estimated from it
 
 
 def _distribution_with(policy_factory, drafter_name, params):
