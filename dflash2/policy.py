@@ -245,7 +245,8 @@ class GoodputPolicy:
         return True
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
-        if any(d.tokens.shape[0] for d in drafts):  # a drafting round: its seconds, smoothed per number of rows
+        drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
+        if drafted:  # a drafting round: its seconds, smoothed per number of rows
             old = self.draft_s.get(len(drafts))
             self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
             self._pays.clear()
@@ -255,7 +256,7 @@ class GoodputPolicy:
         else:
             curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
             widths = self._round_rate(curves, draft_s)[0]
-        if any(d.tokens.shape[0] for d in drafts):  # (a round that drafted nothing was counted as SKIPPED)
+        if drafted:
             self.chosen.update(widths)
         return widths
 

@@ -189,11 +189,7 @@ class TargetAdapter:
         keep_logits=n: logits of the last n columns only ([R, n, V])."""
         if self.hybrid:
             raise NotImplementedError("custom attention masks need an attention-only target")
-        dtype = self.model.get_input_embeddings().weight.dtype
-        masks = {}
-        for kind, window in self._attention_kinds().items():
-            ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
-            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[:, None].to(self.device)
+        masks = self._masks_per_kind(self._attention_kinds(), q_pos, k_pos, allowed)
         mask = next(iter(masks.values())) if len(masks) == 1 else masks
         want = bool(self.layer_ids)
         start = cache.get_seq_length()
@@ -203,6 +199,17 @@ class TargetAdapter:
                              **self._logits_kw(keep_logits))
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1) if want else None
         return TargetStep(_last(out.logits, keep_logits), features, ids, start, None)
+
+    def _masks_per_kind(self, kinds: dict[str, int | None], q_pos: Tensor, k_pos: Tensor,
+                        allowed: Tensor) -> dict[str, Tensor]:
+        """forward_masked's additive masks [R, 1, W, S+W] per layer kind: `allowed`, and on a sliding
+        kind only the keys within its window of each query's position."""
+        dtype = self.model.get_input_embeddings().weight.dtype
+        masks = {}
+        for kind, window in kinds.items():
+            ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
+            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[:, None].to(self.device)
+        return masks
 
     def _logits_kw(self, keep_logits: int | None) -> dict[str, int]:
         if keep_logits is not None and (isinstance(keep_logits, bool) or not isinstance(keep_logits, int)

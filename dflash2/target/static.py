@@ -266,12 +266,7 @@ class StaticTarget(TargetAdapter):
         if cache.keys and cache.rows != R:
             raise ValueError(f"the pass has {R} rows, the cache {cache.rows}")
         self._reserve_rows(cache, R, start + W)
-        dtype = self.model.get_input_embeddings().weight.dtype
-        masks = {}
-        for kind, window in self.kinds.items():
-            ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)
-            masks[kind] = torch.zeros(ok.shape, dtype=dtype).masked_fill(~ok, torch.finfo(dtype).min)[:, None].to(
-                self.device)  # [R, 1, W, S+W]
+        masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()
         if self.fused is not None:
             normed, features = self._step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
