@@ -34,7 +34,7 @@ from .checks import adapt_target, apply_policy, check_batch, check_concurrency, 
 from .interfaces import BatchDrafter, Drafter, VerifyPolicy
 from .loop import AutoregressiveDrafter, GenerationResult
 from .rng import RandomSource, TorchRandom
-from .round import decide, first_token, propose_rows, synchronizer
+from .round import Backlog, decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams
 from .target.adapter import TargetAdapter, cat_rows_left_padded
 from .tree import TokenTree
@@ -52,7 +52,7 @@ class _Rows:
     lengths: list[list[int]] = field(default_factory=list)
     finish: list[str] = field(default_factory=list)
     anchors: list[int] = field(default_factory=list)
-    features: list[Tensor | None] = field(default_factory=list)  # per row: target features not yet drafted from
+    features: list[Backlog] = field(default_factory=list)  # per row: target features not yet drafted from
     draft_caches: list[object] = field(default_factory=list)
     alive: list[int] = field(default_factory=list)
     cache: object = None
@@ -91,7 +91,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     sync = synchronizer(tgt.device)
     N = len(prompts)
     rows = _Rows(prompts, [p.tolist() for p in prompts], max_new_tokens, [[] for _ in range(N)], ["length"] * N,
-                 [0] * N, [None] * N, [None] * N)
+                 [0] * N, [Backlog() for _ in range(N)], [None] * N)
     # a BatchDrafter drafts every row in one pass over the rows' shared context, whose rows follow
     # `alive` (as the target cache's do); another drafter keeps one cache per row
     context = drafter.new_context_batch() if isinstance(drafter, BatchDrafter) else None
@@ -113,10 +113,8 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             drafted = [Draft(torch.zeros(0, dtype=torch.long, device=tgt.device)) for _ in alive]
         else:
             drafted = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive],
-                                   [rows.anchors[r] for r in alive], [rows.features[r] for r in alive], tgt, params,
-                                   rng, verify, tree_nodes, depths)
-            for r in alive:  # read: the drafter has them now
-                rows.features[r] = None
+                                   [rows.anchors[r] for r in alive], [rows.features[r].take() for r in alive], tgt,
+                                   params, rng, verify, tree_nodes, depths)
         sync()
         t1 = time.perf_counter()
         drafts = apply_policy(policy, drafted, t1 - t0)  # each row's tokens to verify: a prefix of its draft
@@ -141,7 +139,7 @@ def _admit(rows: _Rows, newcomers: list[int], drafter: Drafter, tgt: TargetAdapt
     new_cache, new_valid, new_pos, logits, features = _prefill(tgt, [rows.prompts[r] for r in newcomers])
     joined = []
     for i, r in enumerate(newcomers):
-        rows.anchors[r], rows.features[r] = first_token(logits[i], params, rng), features[i]
+        rows.anchors[r], rows.features[r] = first_token(logits[i], params, rng), Backlog(features[i])
         rows.draft_caches[r] = None if context is not None else drafter.new_cache()
         rows.tokens[r].append(rows.anchors[r])
         if rows.anchors[r] in stops:
@@ -191,9 +189,7 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
         kept[i, outcome.kept] = True
         rows.anchors[r] = outcome.committed[-1]
         if step.features is not None:  # the anchor's and the accepted tokens', after those the drafter has not read
-            kept_features = step.features[i: i + 1, outcome.kept]
-            rows.features[r] = kept_features if rows.features[r] is None else \
-                torch.cat([rows.features[r], kept_features], dim=1)
+            rows.features[r].add(step.features[i: i + 1, outcome.kept])
         if outcome.stopped:
             rows.finish[r] = "stop"
     # each row's kept slots move to the front of the block (in order) and the block is cropped after

@@ -29,7 +29,7 @@ from torch import Tensor
 from .checks import adapt_target, apply_policy, check_policy, check_prompt, check_stops, check_verify
 from .interfaces import Drafter, VerifyPolicy
 from .rng import RandomSource, TorchRandom
-from .round import decide, first_token, propose_rows, synchronizer
+from .round import Backlog, decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams
 from .tree import TokenTree
 from .verify import Draft
@@ -127,7 +127,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         step = tgt.forward(prompt, cache, keep_logits=1)  # logits [1, 1, V] (the last position's), features [1, T, F]
         anchor = first_token(step.logits[0, -1], params, rng)
         tokens.append(anchor)
-        pending = step.features  # target features the drafter has not read yet ([1, n, F] or None)
+        pending = Backlog(step.features)  # target features the drafter has not read yet
         if on_commit:
             on_commit([anchor], 0)
         sync()
@@ -139,9 +139,8 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             if policy is not None and not policy.drafts(1):  # nothing pays: a plain step, no draft
                 drafted = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))
             else:
-                [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending], tgt, params, rng,
+                [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending.take()], tgt, params, rng,
                                          verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
-                pending = None
             sync()
             t1 = time.perf_counter()
             [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
@@ -163,8 +162,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
                 on_commit(outcome.committed, outcome.drafted)
             anchor = outcome.committed[-1]
             if step.features is not None:  # the anchor's and the accepted tokens' features
-                kept = step.features[:, outcome.kept]
-                pending = kept if pending is None else torch.cat([pending, kept], dim=1)
+                pending.add(step.features[:, outcome.kept])
             finish = "stop" if outcome.stopped else "length"
     sequences = torch.tensor([tokens], dtype=torch.long, device=prompt.device)
     return GenerationResult(sequences, prompt.shape[1], lengths, finish, total_s=time.perf_counter() - start,

@@ -165,20 +165,25 @@ class GoodputPolicy:
     drafts(rows): a round that drafts costs its drafting (the last seconds measured at this number of
     rows, smoothed) plus the pass over the widths chosen, and commits per row 1 + Σ_t s̄_t, s̄ the
     survival of each position's observed acceptance rate; a plain step costs verify_s(rows) and
-    commits one token per row. When the plain step wins, the round does not draft; so that the
-    estimates can change, a skipped stretch is broken by one drafting round (a probe, verified in
-    full) after `probe_after` skips, then after twice as many while the probes confirm it, up to
-    `probe_max`. The first round is a probe too (it measures the drafting time; a number of rows not
-    measured yet is estimated from the others, `draft_cost`, so that a draining batch does not probe
-    at every size)."""
+    commits one token per row. When the plain step wins, the round does not draft. So that the
+    estimates can change, a skipped stretch is broken by a probe (one drafting round, verified in
+    full) once its cost above a plain step is at most `explore` × the seconds skipped since the last
+    one; each probe that confirms skipping halves that share, down to `explore_min`. Exploration thus
+    costs at most that share of the time (a vanishing one while skipping stays right), whatever the
+    number of rows or the price of a wide pass. The first round is a probe too (it measures the
+    drafting time; a number of rows not measured yet is estimated from the others, `draft_cost`, so
+    that a draining batch does not probe at every size)."""
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
-                 padded: bool = False, probe_after: int = 8, probe_max: int = 256) -> None:
-        self.cost, self.padded = cost, padded
+                 padded: bool = False, explore: float = 0.05, explore_min: float = 0.002) -> None:
+        if not 0 < explore_min <= explore <= 1:
+            raise ValueError(f"GoodputPolicy needs 0 < explore_min <= explore <= 1, got {explore_min}, {explore}")
+        self.cost, self.padded, self.positions = cost, padded, positions
         self.calibrator = calibrator or Calibrator(positions)
-        self.probe_after, self.probe_max = probe_after, probe_max
+        self.explore, self.explore_min = explore, explore_min
         self.draft_s: dict[int, float] = {}  # rows → smoothed drafting seconds of a round
-        self._skipped, self._probe_in = 0, probe_after
+        self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
+        self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
         self._probing = False  # this round drafts to learn: verify all of it
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
@@ -233,14 +238,16 @@ class GoodputPolicy:
             _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
             self._pays[rows] = rate > rows / max(self.cost.verify_s(rows), 1e-12)
         if self._pays[rows]:
-            self._skipped, self._probe_in = 0, self.probe_after
+            self._skipped_s, self._share = 0.0, self.explore
             return True
-        self._skipped += 1
-        if self._skipped <= self._probe_in:
+        plain_s = self.cost.verify_s(rows)
+        self._skipped_s += plain_s
+        probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
+        if probe_extra > self._share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             return False
-        # a probe: draft and verify it all once, then wait twice as long before the next
-        self._skipped, self._probe_in = 0, min(2 * self._probe_in, self.probe_max)
+        # a probe: draft and verify it all once; the next may cost half the share
+        self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
         self._probing = True
         return True
 

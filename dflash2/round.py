@@ -29,6 +29,29 @@ class Outcome:
     kept: list[int]  # block rows (0: the anchor) whose cache entries and features the next round keeps
 
 
+class Backlog:
+    """One row's target features the drafter has not read yet: [1, n_i, F] chunks added each round
+    and joined once, when the drafter reads them (`take`), so that a stretch of rounds that do not
+    draft does not copy its growing backlog every round."""
+
+    __slots__ = ("chunks",)
+
+    def __init__(self, features: Tensor | None = None) -> None:
+        self.chunks: list[Tensor] = []
+        self.add(features)
+
+    def add(self, features: Tensor | None) -> None:
+        if features is not None:
+            self.chunks.append(features)
+
+    def take(self) -> Tensor | None:
+        """Every chunk in order as one [1, n, F] (None when there is none); the backlog is empty after."""
+        chunks, self.chunks = self.chunks, []
+        if len(chunks) <= 1:
+            return chunks[0] if chunks else None
+        return torch.cat(chunks, dim=1)
+
+
 def first_token(logits: Tensor, params: SamplingParams, rng: RandomSource) -> int:
     """One token from logits [V] (the prefill's, or an AR step): the same p̃ as verification uses."""
     if params.greedy:

@@ -6,6 +6,7 @@ decides on a token's own value (forbidden by the VerifyPolicy contract) must be 
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 
 from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator
-from dflash2.policy import CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths
+from dflash2.policy import SKIPPED, CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths
 from dflash2.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
 from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
@@ -256,22 +257,25 @@ class CountedGoodput(GoodputPolicy):
         return super().widths(drafts, self.draft_time)
 
 
-def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_less_and_less():
+def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_its_share():
     """A drafter whose tokens are never accepted, against a pass that costs more per token than it
-    commits: after its first round the policy stops drafting, then probes at growing intervals; with
-    a cheap pass and accepted drafts it always drafts."""
+    commits: after its first round the policy stops drafting, then probes once a probe's extra cost
+    (drafting 0.5 s + a 5-token pass 3.4 s - a plain step 1.0 s = 2.9 s) is at most the share (0.5,
+    halved per probe down to 0.25) of the plain seconds skipped since the last: after 6 skips, then
+    every 12; with a cheap pass and accepted drafts it always drafts."""
     cost = CostModel(((1, 1.0), (2, 1.6)))
-    policy = CountedGoodput(cost, positions=4, probe_after=2, probe_max=8, draft_time=0.5)
+    policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5)
     blind = Draft(torch.arange(4))
-    for _ in range(40):  # the loop's protocol: drafts(), then widths() and observe() when it drafted
+    for _ in range(50):  # the loop's protocol: drafts(), then widths() and observe() when it drafted
         if policy.drafts(1):
             [w] = policy.widths([blind], 0.0)
             policy.observe(blind, w, 0)
     answers = policy.answers
     probes = [i for i, a in enumerate(answers) if a]
-    assert answers[0] and not answers[1]  # the first round measures the drafting time, then it stops
-    gaps = [b - a for a, b in zip(probes[1:], probes[2:])]
-    assert gaps == sorted(gaps) and gaps[0] < gaps[-1] and max(gaps) <= 9, (probes, gaps)
+    assert probes == [0, 6, 18, 30, 42], probes  # the first round measures the drafting time, then it stops
+    assert policy.chosen == Counter({SKIPPED: 50 - len(probes), 4: len(probes)})  # each probe verified in full
+    with pytest.raises(ValueError, match="explore"):
+        GoodputPolicy(cost, positions=4, explore=0.01, explore_min=0.1)
     eager = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_time=0.1)
     sure = Draft(torch.arange(4))
     for _ in range(20):
