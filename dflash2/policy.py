@@ -141,6 +141,28 @@ def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8
         return CostModel.measure(run, [rows * (1 + n) for n in sizes], repeats)
 
 
+def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: int = 4) -> float:
+    """The drafting seconds of one round at `rows` rows on this machine: `rows` random prompts of
+    `context` tokens decoded for `rounds` + 1 rounds (spec_generate at one row, spec_generate_batch
+    at more), the median of every round's drafting time after the first (which also reads the whole
+    prompt's features). What GoodputPolicy(draft_s=...) starts from, so that its first round need
+    not draft to learn it."""
+    from .batch import spec_generate_batch
+    from .checks import adapt_target
+    from .loop import spec_generate
+
+    tgt = adapt_target(drafter, target)
+    timer = _DraftTimer()
+    ids = torch.randint(0, tgt.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        if rows == 1:
+            spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+        else:
+            spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+    later = sorted(timer.seconds[1:]) or timer.seconds
+    return later[len(later) // 2]
+
+
 class FixedWidth:
     """Verify every drafted token (the loops' behaviour without a policy)."""
 
@@ -152,6 +174,18 @@ class FixedWidth:
 
     def observe(self, draft: Draft, verified: int, accepted: int) -> None:
         pass
+
+
+class _DraftTimer(FixedWidth):
+    """FixedWidth that records each drafting round's seconds (profile_draft)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        if any(d.tokens.shape[0] for d in drafts):
+            self.seconds.append(draft_s)
+        return super().widths(drafts, draft_s)
 
 
 class GoodputPolicy:
@@ -170,18 +204,20 @@ class GoodputPolicy:
     full) once its cost above a plain step is at most `explore` × the seconds skipped since the last
     one; each probe that confirms skipping halves that share, down to `explore_min`. Exploration thus
     costs at most that share of the time (a vanishing one while skipping stays right), whatever the
-    number of rows or the price of a wide pass. The first round is a probe too (it measures the
-    drafting time; a number of rows not measured yet is estimated from the others, `draft_cost`, so
-    that a draining batch does not probe at every size)."""
+    number of rows or the price of a wide pass. Without `draft_s` (rows → seconds, e.g. from
+    `profile_draft`) the first round is a probe too (it measures the drafting time); a number of rows
+    not measured yet is estimated from the others (`draft_cost`), so that a draining batch does not
+    probe at every size."""
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
-                 padded: bool = False, explore: float = 0.05, explore_min: float = 0.002) -> None:
+                 padded: bool = False, explore: float = 0.05, explore_min: float = 0.002,
+                 draft_s: dict[int, float] | None = None) -> None:
         if not 0 < explore_min <= explore <= 1:
             raise ValueError(f"GoodputPolicy needs 0 < explore_min <= explore <= 1, got {explore_min}, {explore}")
         self.cost, self.padded, self.positions = cost, padded, positions
         self.calibrator = calibrator or Calibrator(positions)
         self.explore, self.explore_min = explore, explore_min
-        self.draft_s: dict[int, float] = {}  # rows → smoothed drafting seconds of a round
+        self.draft_s: dict[int, float] = dict(draft_s or {})  # rows → smoothed drafting seconds of a round
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
         self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
@@ -306,5 +342,5 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
     return [min(best_cap_, len(c)) for c in curves]
 
 
-__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_verify",
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_draft", "profile_verify",
            "profile_verify_batch"]

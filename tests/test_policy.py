@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator
-from dflash2.policy import SKIPPED, CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths
+from dflash2.policy import (SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths,
+                            profile_draft)
 from dflash2.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
 from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
@@ -349,3 +350,19 @@ def test_a_truncation_that_misaligns_q_is_caught(monkeypatch):
     params = PARAMS["T0.7_topk2"]
     got = _distribution_with(lambda: ScriptedWidths([1]), "sampled_walk_sparse_q", params)
     assert max_abs_diff(got, ar_distribution(params)) > DETECT
+
+
+def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_first():
+    """profile_draft times real drafting rounds (one row, and a batch); a GoodputPolicy started from
+    that time and a calibration that has seen drafts fail does not draft at all when the pass is dear,
+    where one without it spends its first round drafting to measure."""
+    target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
+    one, three = profile_draft(drafter, target, rows=1, context=8), profile_draft(drafter, target, rows=3, context=8)
+    assert 0 < one < 1 and 0 < three < 1
+    failed = Calibrator(3)
+    for _ in range(50):
+        failed.observe(torch.full((3,), UNKNOWN_CONFIDENCE), 3, 0)
+    dear = CostModel(((1, 1.0), (2, 1.9)))
+    informed = GoodputPolicy(dear, positions=3, calibrator=failed, draft_s={1: one})
+    assert [informed.drafts(1) for _ in range(5)] == [False] * 5
+    assert GoodputPolicy(dear, positions=3, calibrator=failed).drafts(1)  # nothing measured: a probe

@@ -90,27 +90,38 @@ class Run:
 
 
 class _Policies:
-    """dflash2_goodput's policies: the verify cost profiled once per target step and drafter (`profile`:
-    profile_verify, or profile_verify_batch at the table's concurrency), and one GoodputPolicy per target
-    step, drafter and sampling setting (what is accepted at T = 1 is not what greedy accepts), its
-    calibration carried from prompt to prompt, as a server's would be."""
+    """dflash2_goodput's policies at `rows` rows in flight: per target step and drafter, the verify
+    cost (profile_verify, or profile_verify_batch at more than one row) and the drafting seconds
+    (profile_draft) measured once, before the first timed run; per target step, drafter and sampling
+    setting one GoodputPolicy, carried from prompt to prompt as a server's would be. Its acceptance
+    calibration is `calibrators`' entry for the drafter and setting (what is accepted at T = 1 is not
+    what greedy accepts): the bench passes one dict to every table, so that a table at 8 or 32 rows
+    starts from what the run has observed so far, as a server that has been running would."""
 
-    def __init__(self, profile: Callable, padded: bool) -> None:
-        self.profile, self.padded = profile, padded
+    def __init__(self, rows: int, padded: bool, calibrators: dict | None = None) -> None:
+        self.rows, self.padded = rows, padded
+        self.calibrators = {} if calibrators is None else calibrators
         self.costs: dict[tuple, Any] = {}
         self.policies: dict[tuple, Any] = {}
 
     def __call__(self, tgt, drafter, setting: dict):
-        from ..policy import GoodputPolicy
+        from ..confidence import Calibrator
+        from ..policy import GoodputPolicy, profile_draft, profile_verify, profile_verify_batch
         from ..target.adapter import TargetAdapter
 
         key = (id(tgt), id(drafter))
         if key not in self.costs:
             step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
-            self.costs[key] = self.profile(step, sizes=tuple(range(1, drafter.block_size)))
+            sizes = tuple(range(1, drafter.block_size))
+            cost = profile_verify(step, sizes=sizes) if self.rows == 1 else \
+                profile_verify_batch(step, self.rows, sizes=sizes)
+            self.costs[key] = cost, profile_draft(drafter, step, self.rows)
         full = (*key, tuple(sorted(setting.items())))
         if full not in self.policies:
-            self.policies[full] = GoodputPolicy(self.costs[key], positions=drafter.block_size - 1, padded=self.padded)
+            cost, draft_s = self.costs[key]
+            calibrator = self.calibrators.setdefault((id(drafter), full[2]), Calibrator(drafter.block_size - 1))
+            self.policies[full] = GoodputPolicy(cost, positions=drafter.block_size - 1, calibrator=calibrator,
+                                                padded=self.padded, draft_s={self.rows: draft_s})
         return self.policies[full]
 
 
@@ -120,7 +131,7 @@ def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
 
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
-                 stops: list[int]) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
+                 stops: list[int], calibrators: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
     statics: dict[tuple[int, ...], Any] = {}  # one compiled StaticTarget per set of target layers read
 
     def static(layer_ids: tuple[int, ...]):
@@ -130,9 +141,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
         return statics[layer_ids]
 
-    from ..policy import profile_verify
-
-    policy_for = _Policies(profile_verify, padded=False)
+    policy_for = _Policies(1, padded=False, calibrators=calibrators)
 
     def ours(drafter, step="hf", **verify):
         def run(ids, setting, seed):
@@ -222,7 +231,8 @@ def _token_counts(cfg: BenchConfig) -> torch.Tensor:
 
 
 def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], block: int,
-                       stops: list[int], concurrency: int) -> dict[Method, Callable[[tuple, dict, int], Run]]:
+                       stops: list[int], concurrency: int,
+                       calibrators: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
     statics: dict[tuple[int, ...], Any] = {}  # one StaticTarget per set of target layers read (eager: batches)
@@ -237,9 +247,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             statics[layers] = StaticTarget(target, layers)
         return statics[layers]
 
-    from ..policy import profile_verify_batch
-
-    policy_for = _Policies(lambda step, sizes: profile_verify_batch(step, concurrency, sizes=sizes), padded=True)
+    policy_for = _Policies(concurrency, padded=True, calibrators=calibrators)
 
     def ours(drafter, step="hf", **verify):
         def run(batch, setting, seed):

@@ -141,14 +141,15 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
     n_tables = num_tables(cfg)
     for dataset, prompts in sets.items():
+        calibrators: dict = {}  # the adaptive rows' acceptance calibration, per drafter and setting, across tables
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:
                 if conc == 1:
-                    methods = make_methods(cfg, target, drafters, ar_draft, block, stops)
+                    methods = make_methods(cfg, target, drafters, ar_draft, block, stops, calibrators)
                     inputs = prompts.conversations
                     call = lambda fn, conv, setting, seed: converse(fn, prompter, prompts, conv, setting, seed)  # noqa: E731
                 else:
-                    methods = make_batch_methods(cfg, target, drafters, block, stops, conc)
+                    methods = make_batch_methods(cfg, target, drafters, block, stops, conc, calibrators)
                     inputs = [None]  # the whole set, conc rows in flight
                     call = lambda fn, _, setting, seed: converse_batch(fn, prompter, prompts, stops[0], setting, seed)  # noqa: E731
                 for setting_name in cfg.settings:
