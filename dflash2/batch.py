@@ -35,7 +35,7 @@ from .interfaces import BatchDrafter, Drafter, VerifyPolicy
 from .loop import AutoregressiveDrafter, GenerationResult
 from .rng import RandomSource, TorchRandom
 from .round import Backlog, decide, first_token, propose_rows, synchronizer
-from .sampling import SamplingParams
+from .sampling import SamplingParams, greedy_token, process_logits
 from .target.adapter import TargetAdapter, cat_rows_left_padded
 from .tree import TokenTree
 from .verify import Draft
@@ -165,6 +165,8 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     chain; a tree's nodes at the anchor's position + depth, each seeing its ancestors); each row's
     Outcome; every row's kept slots appended to the cache, which grows by max_r(n_r + 1) slots.
     Returns each row's number of accepted draft tokens."""
+    if all(d.tokens.shape[0] == 0 for d in drafts):
+        return _plain_step(rows, tgt, params, rng, stops)
     alive = rows.alive
     trees = [d if isinstance(d, TokenTree) else TokenTree.chain(d.tokens.cpu()) for d in drafts]
     W = 1 + max(t.tokens.shape[0] for t in trees)
@@ -199,6 +201,37 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     rows.valid = torch.cat([rows.valid, kept.gather(1, order)], dim=1)
     rows.pos = torch.cat([rows.pos, q_pos.gather(1, order)], dim=1)
     return accepted
+
+
+def _plain_step(rows: _Rows, tgt: TargetAdapter, params: SamplingParams, rng: RandomSource,
+                stops: frozenset[int]) -> list[int]:
+    """_verify_and_commit when every draft is empty (plain decoding, or a round the policy did not
+    draft): one pass over every row's anchor [R, 1] and each row's next token, drawn as `decide` draws
+    it for an empty draft (the argmax; or one draw from p̃, row by row), without its per-row block
+    bookkeeping. Every row keeps its anchor's slot."""
+    alive = rows.alive
+    R, S = len(alive), rows.valid.shape[1]
+    anchors = torch.tensor([rows.anchors[r] for r in alive])[:, None]  # [R, 1]
+    q_pos = torch.tensor([len(rows.tokens[r]) - 1 for r in alive])[:, None]  # [R, 1]
+    allowed = torch.cat([rows.valid[:, None, :], torch.ones(R, 1, 1, dtype=torch.bool)], dim=2)  # [R, 1, S + 1]
+    step = tgt.forward_masked(anchors, q_pos, torch.cat([rows.pos, q_pos], dim=1), allowed, rows.cache)  # [R, 1, V]
+    if params.greedy:
+        chosen = greedy_token(step.logits[:, 0]).tolist()
+    else:
+        probs = process_logits(step.logits[:, 0], params)  # [R, V]
+        chosen = [rng.categorical(probs[i]) for i in range(R)]
+    for i, (r, token) in enumerate(zip(alive, chosen)):
+        rows.tokens[r].append(token)
+        rows.lengths[r].append(1)
+        rows.anchors[r] = token
+        if step.features is not None:
+            rows.features[r].add(step.features[i: i + 1])
+        if token in stops:
+            rows.finish[r] = "stop"
+    tgt.keep_block(rows.cache, S, torch.zeros(R, 1, dtype=torch.long))
+    rows.valid = torch.cat([rows.valid, torch.ones(R, 1, dtype=torch.bool)], dim=1)
+    rows.pos = torch.cat([rows.pos, q_pos], dim=1)
+    return [0] * R
 
 
 def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:
