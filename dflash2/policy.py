@@ -144,23 +144,24 @@ def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8
 def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: int = 4) -> float:
     """The drafting seconds of one round at `rows` rows on this machine: `rows` random prompts of
     `context` tokens decoded for `rounds` + 1 rounds (spec_generate at one row, spec_generate_batch
-    at more), the median of every round's drafting time after the first (which also reads the whole
-    prompt's features). What GoodputPolicy(draft_s=...) starts from, so that its first round need
-    not draft to learn it."""
+    at more), twice (the first run compiles what a compiled drafter compiles), the fastest round of
+    the second run after its first (which also reads the whole prompt's features). A prior for
+    GoodputPolicy(draft_s=...), so that its first round need not draft to learn it; the policy's
+    first measured round at that number of rows replaces it."""
     from .batch import spec_generate_batch
     from .checks import adapt_target
     from .loop import spec_generate
 
     tgt = adapt_target(drafter, target)
-    timer = _DraftTimer()
     ids = torch.randint(0, tgt.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        if rows == 1:
-            spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
-        else:
-            spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
-    later = sorted(timer.seconds[1:]) or timer.seconds
-    return later[len(later) // 2]
+    for _ in range(2):
+        timer = _DraftTimer()
+        with torch.no_grad():
+            if rows == 1:
+                spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+            else:
+                spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+    return min(timer.seconds[1:] or timer.seconds)
 
 
 class FixedWidth:
@@ -205,7 +206,8 @@ class GoodputPolicy:
     one; each probe that confirms skipping halves that share, down to `explore_min`. Exploration thus
     costs at most that share of the time (a vanishing one while skipping stays right), whatever the
     number of rows or the price of a wide pass. Without `draft_s` (rows → seconds, e.g. from
-    `profile_draft`) the first round is a probe too (it measures the drafting time); a number of rows
+    `profile_draft`; the first round measured at that number replaces it, later ones are smoothed in)
+    the first round is a probe too (it measures the drafting time); a number of rows
     not measured yet is estimated from the others (`draft_cost`), so that a draining batch does not
     probe at every size."""
 
@@ -218,6 +220,7 @@ class GoodputPolicy:
         self.calibrator = calibrator or Calibrator(positions)
         self.explore, self.explore_min = explore, explore_min
         self.draft_s: dict[int, float] = dict(draft_s or {})  # rows → smoothed drafting seconds of a round
+        self._measured: set[int] = set()  # row counts whose draft_s was measured here (not only given)
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
         self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
@@ -290,8 +293,9 @@ class GoodputPolicy:
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
         if drafted:  # a drafting round: its seconds, smoothed per number of rows
-            old = self.draft_s.get(len(drafts))
+            old = self.draft_s.get(len(drafts)) if len(drafts) in self._measured else None  # a given prior: replaced
             self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
+            self._measured.add(len(drafts))
             self._pays.clear()
         if self._probing:  # a round drafted to learn: every position it drafted is observed
             self._probing = False

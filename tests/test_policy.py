@@ -366,3 +366,12 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     informed = GoodputPolicy(dear, positions=3, calibrator=failed, draft_s={1: one})
     assert [informed.drafts(1) for _ in range(5)] == [False] * 5
     assert GoodputPolicy(dear, positions=3, calibrator=failed).drafts(1)  # nothing measured: a probe
+    # a prior far above the truth: skipped until a probe measures the drafting, which replaces it
+    wrong = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_time=0.1, draft_s={1: 100.0},
+                           explore=0.5)
+    sure = Draft(torch.arange(4))
+    for _ in range(400):
+        if wrong.drafts(1):
+            [w] = wrong.widths([sure], 0.0)
+            wrong.observe(sure, w, w)
+    assert not wrong.answers[0] and wrong.draft_s == {1: pytest.approx(0.1)} and all(wrong.answers[-100:])
