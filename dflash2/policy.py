@@ -161,6 +161,8 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
                 spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
             else:
                 spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+    if not timer.seconds:
+        raise ValueError("profile_draft: the drafter drafted nothing (block_size 1, or an autoregressive drafter)")
     return min(timer.seconds[1:] or timer.seconds)
 
 

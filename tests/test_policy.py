@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator
+from dflash2.loop import AutoregressiveDrafter
 from dflash2.policy import (SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths,
                             profile_draft)
 from dflash2.verify import Draft
@@ -359,6 +360,8 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
     one, three = profile_draft(drafter, target, rows=1, context=8), profile_draft(drafter, target, rows=3, context=8)
     assert 0 < one < 1 and 0 < three < 1
+    with pytest.raises(ValueError, match="drafted nothing"):
+        profile_draft(AutoregressiveDrafter(), target, rows=1, context=8)
     failed = Calibrator(3)
     for _ in range(50):
         failed.observe(torch.full((3,), UNKNOWN_CONFIDENCE), 3, 0)
