@@ -21,6 +21,7 @@ OUT = ROOT / "docs" / "test-statistics.md"
 
 def main() -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "--hypothesis-show-statistics",
+           "-m", "slow or not slow",  # the deep checks too: their numbers are recorded
            "tests/test_greedy_equality.py", "tests/test_modules.py", "tests/test_sampling.py",
            "tests/test_exact_distribution.py", "tests/test_monte_carlo.py", "tests/test_tree_loop.py",
            "tests/test_batch.py"]

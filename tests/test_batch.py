@@ -150,10 +150,11 @@ def small_drafter(selector: str) -> DFlash2Drafter:
 # concurrency 1: the second row is admitted only when the first finishes
 # verify="tree": each row walks its own 3-node tree, one decision per node with the residual rule
 # static: the same through StaticTarget's batched step (the written-out layers over preallocated buffers)
+# (concurrency 1 through the HF step repeats the static one's admission order: -m slow)
 @pytest.mark.parametrize("selector,params,concurrency,verify,step", [
     ("walk", SamplingParams(0.8, top_k=2), None, "path", "hf"),
     ("argmax", SamplingParams(1.0), None, "path", "hf"),
-    ("argmax", SamplingParams(1.0), 1, "path", "hf"),
+    pytest.param("argmax", SamplingParams(1.0), 1, "path", "hf", marks=pytest.mark.slow),
     ("walk", SamplingParams(0.8, top_k=2), None, "tree", "hf"),
     ("argmax", SamplingParams(1.0), None, "tree", "hf"),
     ("argmax", SamplingParams(1.0), 1, "path", "static"),

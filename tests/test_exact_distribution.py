@@ -76,8 +76,12 @@ DRAFTERS = {
 }
 
 
-CASES = [(d, p) for d in DRAFTERS for p in PARAMS
-         # the full-q walk branches 4096 ways at T=1; two truncated settings cover it in the default run
+# the full-q walk branches 4096 ways at T=1; two truncated settings cover it. The method drafters (DSpark,
+# LiLiCorr) at T1.3_topp0.8, and LiLiCorr v1 (v2 without the convolution) at T1, repeat what the other
+# settings and drafters check; they run with -m slow.
+DEEP = {("sampled_dspark", "T1.3_topp0.8"), ("sampled_lilicorr_v1", "T1.3_topp0.8"),
+        ("sampled_lilicorr_v2", "T1.3_topp0.8"), ("sampled_lilicorr_v1", "T1")}
+CASES = [pytest.param(d, p, marks=[pytest.mark.slow] if (d, p) in DEEP else []) for d in DRAFTERS for p in PARAMS
          if not (d == "sampled_walk_full_q" and p in ("T1", "T1.3_topp0.8"))]
 
 

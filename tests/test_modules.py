@@ -301,7 +301,7 @@ def test_a_drafting_round_is_the_block_pass_then_candidates_then_the_lattice(var
 
 
 @pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
-@pytest.mark.parametrize("variant", ["full", "context-window-7"])
+@pytest.mark.parametrize("variant", ["full", pytest.param("context-window-7", marks=pytest.mark.slow)])
 def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(variant):
     """drafter.compile() runs each batch-1 round as one graph (dynamic shapes: the context grows, a
     first round starts from an empty cache, a window trims the context): its scores, its cache and

@@ -63,7 +63,10 @@ def sample_counts(params: SamplingParams, seed: int) -> dict:
     return counts
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.8, top_k=4, top_p=0.9)], ids=str)
+# the default run samples one setting (the exact proof covers every setting); -m slow adds T = 1 and the
+# check that this test has the power to fail
+@pytest.mark.parametrize("params", [pytest.param(SamplingParams(1.0), marks=pytest.mark.slow),
+                                    SamplingParams(0.8, top_k=4, top_p=0.9)], ids=str)
 def test_spec_generate_matches_ar_distribution(params):
     _, target = pair()
     exact = exact_ar_distribution(target, PROMPT, N_NEW, lambda logits: process_logits(logits, params))
@@ -72,6 +75,7 @@ def test_spec_generate_matches_ar_distribution(params):
     assert p > 1e-3
 
 
+@pytest.mark.slow
 def test_chi_square_has_power_against_a_mutant(monkeypatch):
     """The exact tests catch subtler mutants; at 3000 samples this one is far outside the noise."""
     monkeypatch.setattr(verify_mod, "verify_stochastic", lambda draft, probs, rng: typical_acceptance(draft.tokens, probs, rng))
