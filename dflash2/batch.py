@@ -97,6 +97,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     context = drafter.new_context_batch() if isinstance(drafter, BatchDrafter) else None
     waiting = list(range(N)) if max_new_tokens > 0 else []  # rows not yet admitted, in order
     timings = dict(prefill_s=0.0, draft_s=0.0, verify_s=0.0)
+    empty = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))  # a row's draft in a round not drafted
     start = time.perf_counter()
     while waiting or rows.alive:
         t0 = time.perf_counter()
@@ -109,17 +110,19 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             continue  # admit again if some newcomers finished at once
         alive = rows.alive
         depths = [min(rows.left(r) - 1, drafter.block_size - 1) for r in alive]
-        if policy is not None and not policy.drafts(len(alive)):  # nothing pays: a plain step for every row
-            drafted = [Draft(torch.zeros(0, dtype=torch.long, device=tgt.device)) for _ in alive]
+        skip = policy is not None and not policy.drafts(len(alive))  # nothing pays: a plain step for every row
+        if skip:
+            drafts = [empty] * len(alive)
         else:
             drafted = propose_rows(drafter, context, [rows.draft_caches[r] for r in alive],
                                    [rows.anchors[r] for r in alive], [rows.features[r].take() for r in alive], tgt,
                                    params, rng, verify, tree_nodes, depths)
         sync()
         t1 = time.perf_counter()
-        drafts = apply_policy(policy, drafted, t1 - t0)  # each row's tokens to verify: a prefix of its draft
+        if not skip:
+            drafts = apply_policy(policy, drafted, t1 - t0)  # each row's tokens to verify: a prefix of its draft
         kept = _verify_and_commit(rows, drafts, tgt, params, rng, stops)
-        if policy is not None:
+        if policy is not None and not skip:
             for full, d, k in zip(drafted, drafts, kept):
                 policy.observe(full, d.tokens.shape[0], k)
         _retire(rows, tgt, context)

@@ -44,9 +44,10 @@ from .verify import Draft
 class VerifyPolicy(Protocol):
     """Sizes verification (path drafts). drafts: before a round, with `rows` rows in flight, whether to
     draft at all (False: a plain decoding step for every row; the drafter reads the skipped tokens'
-    target features at its next round). widths: each row's draft and the round's drafting seconds so
-    far → how many of its tokens to verify (0..len; the loop truncates the draft to it). observe: after
-    verification, the draft as drafted, the tokens verified and those accepted (online calibration).
+    target features at its next round; neither widths nor observe is called for such a round). widths:
+    each row's draft and the round's drafting seconds so far → how many of its tokens to verify (0..len;
+    the loop truncates the draft to it). observe: after verification, the draft as drafted, the tokens
+    verified and those accepted (online calibration).
 
     The contract that keeps sampled output exact: whether token t is verified may depend on anything
     but token t itself (the context, the tokens before it, other rows, past rounds, the confidences,

@@ -128,6 +128,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         anchor = first_token(step.logits[0, -1], params, rng)
         tokens.append(anchor)
         pending = Backlog(step.features)  # target features the drafter has not read yet
+        empty = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))  # a round the policy does not draft
         if on_commit:
             on_commit([anchor], 0)
         sync()
@@ -136,21 +137,23 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         while finish != "stop" and len(tokens) - prompt.shape[1] < max_new_tokens:
             budget = max_new_tokens - (len(tokens) - prompt.shape[1])
             t0 = time.perf_counter()
-            if policy is not None and not policy.drafts(1):  # nothing pays: a plain step, no draft
-                drafted = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))
+            skip = policy is not None and not policy.drafts(1)  # nothing pays: a plain step, no draft
+            if skip:
+                draft = drafted = empty
             else:
                 [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending.take()], tgt, params, rng,
                                          verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
             sync()
             t1 = time.perf_counter()
-            [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
+            if not skip:
+                [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
             if verify == "tree":
                 step = tgt.forward_tree(anchor, draft, cache)  # logits [1, M+1, V], M nodes
             else:
                 block = torch.cat([torch.tensor([anchor], device=tgt.device), draft.tokens.to(tgt.device)])
                 step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
             outcome = decide(draft, step.logits[0], params, rng, budget, stops)
-            if policy is not None:
+            if policy is not None and not skip:
                 policy.observe(drafted, draft.tokens.shape[0], len(outcome.kept) - 1)
             tgt.keep(cache, step, outcome.kept)  # the anchor and the accepted drafts
             sync()

@@ -225,7 +225,8 @@ class GoodputPolicy:
         self._measured: set[int] = set()  # row counts whose draft_s was measured here (not only given)
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
         self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
-        self._pays: dict[int, bool] = {}  # rows → whether drafting pays, until the estimates change
+        # rows → (whether drafting pays, a plain step's seconds, a probe's seconds above it), until the estimates change
+        self._pays: dict[int, tuple[bool, float, float]] = {}
         self._probing = False  # this round drafts to learn: verify all of it
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
 
@@ -277,13 +278,14 @@ class GoodputPolicy:
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
-            self._pays[rows] = rate > rows / max(self.cost.verify_s(rows), 1e-12)
-        if self._pays[rows]:
+            plain_s = self.cost.verify_s(rows)
+            probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
+            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_extra)
+        pays, plain_s, probe_extra = self._pays[rows]
+        if pays:
             self._skipped_s, self._share = 0.0, self.explore
             return True
-        plain_s = self.cost.verify_s(rows)
         self._skipped_s += plain_s
-        probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
         if probe_extra > self._share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             return False

@@ -244,6 +244,37 @@ def test_a_skipped_round_hands_its_features_to_the_next_draft(skips):
     assert sum(n in without for n in with_skips) >= 2  # the comparison is not empty
 
 
+class StrictSkips(ScriptedWidths):
+    """ScriptedWidths that fails when the loop asks for widths or reports a round it was told not to draft."""
+
+    def drafts(self, rows: int) -> bool:
+        self.drafting = super().drafts(rows)
+        return self.drafting
+
+    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        assert self.drafting, "widths() asked for a round that drafts() skipped"
+        return super().widths(drafts, draft_s)
+
+    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+        assert self.drafting, "observe() called for a round that drafts() skipped"
+        super().observe(draft, verified, accepted)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["spec_generate", "spec_generate_batch"])
+def test_a_skipped_round_asks_no_widths_and_reports_nothing(batched):
+    """A round the policy does not draft is a plain step and nothing more: the loop neither asks its widths
+    nor reports it to observe (the policy counted it when it said no), and the greedy output is the target's."""
+    target, prompt = tiny_target("qwen3"), [3, 1, 4, 1, 5]
+    drafter = tiny_drafter("qwen3", 5, selector="walk")
+    policy = StrictSkips([2], [True, False, True])
+    if batched:
+        [out] = spec_generate_batch(drafter, target, torch.tensor([prompt]), max_new_tokens=20, policy=policy)
+    else:
+        out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=20, policy=policy)
+    assert out.sequences[0].tolist() == hf_greedy(target, prompt, 20)
+    assert policy.asked > policy.round > 0 and len(policy.seen) == policy.round  # some rounds skipped, the rest reported
+
+
 class CountedGoodput(GoodputPolicy):
     """GoodputPolicy with a fixed drafting time (no wall clock): records its drafts() answers."""
 
@@ -296,7 +327,7 @@ def _distribution_with(policy_factory, drafter_name, params):
     return spec_distribution(DRAFTERS[drafter_name](), params, policy=policy_factory)[0]
 
 
-@pytest.mark.parametrize("script", [[0], [1], [0, 2, 1], [2, 0]])
+@pytest.mark.parametrize("script", [[0], [1], [0, 2, 1], pytest.param([2, 0], marks=pytest.mark.slow)])
 @pytest.mark.parametrize("drafter_name", ["sampled_walk_sparse_q", "sampled_dspark"])
 def test_sampled_output_is_exact_whatever_the_widths(script, drafter_name):
     params = PARAMS["T0.7_topk2"]
