@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -62,3 +64,31 @@ def test_package_functions_keep_what_the_predicate_asks_for():
     assert len(typed) == 1 and "def typed(x: int) -> int:" in typed[0] and "return x" not in typed[0]
     assert len(doc) == 1 and doc[0].startswith("import os\nfrom typing import List\n\n\ndef method(self, xs):")
     assert doc[0].rstrip().endswith('"""')  # signature and docstring, no body, dedented to the top level
+
+
+def test_sampling_analysis_acceptance_of_each_q():
+    """α = Σ min(p̃, q) over the candidates: the recorder's numbers for a hand-made round, each variant's q a
+    distribution, no q above the ceiling (p̃'s mass on the candidates), and the expected commit of a round."""
+    import torch
+
+    from dflash2.sampling import SamplingParams
+    from dflash2.verify import Draft
+
+    sa = _load("experiments/embedded/sampling_analysis.py")
+    q = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]], dtype=torch.float64)
+    for name, v in sa.q_variants(q).items():
+        torch.testing.assert_close(v.sum(-1), torch.ones(2, dtype=torch.float64), msg=name)
+    assert sa.q_variants(q)["one-hot on q's top candidate"].tolist() == [[1, 0, 0], [1, 0, 0]]
+    # logits over a vocabulary of 4 whose p̃ (T = 1) is [0.4, 0.3, 0.2, 0.1] at both positions
+    p = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    logits = p.log().expand(3, 4)
+    recorder = sa.AcceptanceRecorder(SamplingParams(1.0))
+    recorder.inner = lambda *args: "verdict"
+    draft = Draft(torch.tensor([0, 1]), torch.tensor([[0, 1, 2], [1, 0, 3]]), q)
+    assert recorder(draft, logits, None, None) == "verdict"  # the verifier's own answer is passed through
+    [row] = recorder.rows
+    assert row["walk q (T = 1)"] == pytest.approx([0.4 + 0.2 + 0.1, 0.3 + 0.4])  # Σ min(p̃(c_k), q_k)
+    assert row["ceiling: p̃'s mass on the K candidates"] == pytest.approx([0.9, 0.8])
+    assert all(a <= c + 1e-12 for v in row.values() for a, c in zip(v, row["ceiling: p̃'s mass on the K candidates"]))
+    [walk] = [s for s in sa.summarize_acceptance(recorder.rows) if s["q"] == "walk q (T = 1)"]
+    assert walk["alpha_1"] == pytest.approx(0.7) and walk["expected_commit"] == pytest.approx(1 + 0.7 + 0.7 * 0.7)
