@@ -139,7 +139,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             t0 = time.perf_counter()
             skip = policy is not None and not policy.drafts(1)  # nothing pays: a plain step, no draft
             if skip:
-                draft = drafted = empty
+                draft = empty
             else:
                 [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending.take()], tgt, params, rng,
                                          verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
