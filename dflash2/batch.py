@@ -80,7 +80,7 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
     params = SamplingParams(temperature, top_k, top_p)
     tgt = adapt_target(drafter, target)
     check_verify(verify, tree_nodes, drafter, tgt)
-    check_policy(policy, verify)
+    check_policy(policy)
     if tgt.hybrid:
         raise ValueError("batched decoding needs an attention-only target: padded and ragged rows would leak into "
                          "linear_attention's recurrent state; decode the rows one at a time with spec_generate")
@@ -163,11 +163,11 @@ def _admit(rows: _Rows, newcomers: list[int], drafter: Drafter, tgt: TargetAdapt
 
 
 def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: SamplingParams, rng: RandomSource,
-                       stops: frozenset[int]) -> list[int]:
+                       stops: frozenset[int]) -> list[list[int]]:
     """One target pass over [R, W = 1 + max nodes]: row r's block at its own positions (a path is a
     chain; a tree's nodes at the anchor's position + depth, each seeing its ancestors); each row's
     Outcome; every row's kept slots appended to the cache, which grows by max_r(n_r + 1) slots.
-    Returns each row's number of accepted draft tokens."""
+    Returns each row's accepted draft tokens (a path: 0..a-1) or nodes (a tree: its accepted path)."""
     if all(d.tokens.shape[0] == 0 for d in drafts):
         return _plain_step(rows, tgt, params, rng, stops)
     alive = rows.alive
@@ -188,7 +188,7 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     accepted = []
     for i, (r, d, t) in enumerate(zip(alive, drafts, trees)):
         outcome = decide(d, step.logits[i, : t.tokens.shape[0] + 1], params, rng, rows.left(r), stops)
-        accepted.append(len(outcome.kept) - 1)
+        accepted.append([i - 1 for i in outcome.kept[1:]])
         rows.tokens[r] += outcome.committed
         rows.lengths[r].append(len(outcome.committed))
         kept[i, outcome.kept] = True
@@ -207,7 +207,7 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
 
 
 def _plain_step(rows: _Rows, tgt: TargetAdapter, params: SamplingParams, rng: RandomSource,
-                stops: frozenset[int]) -> list[int]:
+                stops: frozenset[int]) -> list[list[int]]:
     """_verify_and_commit when every draft is empty (plain decoding, or a round the policy did not
     draft): one pass over every row's anchor [R, 1] and each row's next token, drawn as `decide` draws
     it for an empty draft (the argmax; or one draw from p̃, row by row), without its per-row block
@@ -234,7 +234,7 @@ def _plain_step(rows: _Rows, tgt: TargetAdapter, params: SamplingParams, rng: Ra
     tgt.keep_block(rows.cache, S, torch.zeros(R, 1, dtype=torch.long))
     rows.valid = torch.cat([rows.valid, torch.ones(R, 1, dtype=torch.bool)], dim=1)
     rows.pos = torch.cat([rows.pos, q_pos], dim=1)
-    return [0] * R
+    return [[] for _ in alive]
 
 
 def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:

@@ -122,19 +122,18 @@ def check_verify(verify: str, tree_nodes: int, drafter: Drafter, tgt: TargetAdap
                          "single recurrent state cannot follow several branches; use verify='path'")
 
 
-def check_policy(policy, verify: str) -> None:
+def check_policy(policy) -> None:
     from .interfaces import VerifyPolicy
 
     if policy is None:
         return
     if not isinstance(policy, VerifyPolicy):
         raise ValueError(f"policy must be a dflash2.VerifyPolicy (drafts, widths, observe), got {type(policy).__name__}")
-    if verify != "path":
-        raise ValueError("a verification policy sizes path drafts: use verify='path' with policy=...")
 
 
 def apply_policy(policy, drafts: list, draft_s: float) -> list:
-    """Each draft truncated to the width the policy picks (all of it without a policy)."""
+    """Each draft truncated to the width the policy picks (all of it without a policy): a path's first
+    tokens, a tree's first nodes."""
     if policy is None:
         return drafts
     widths = policy.widths(drafts, draft_s)

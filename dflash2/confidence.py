@@ -19,8 +19,9 @@ Neither is calibrated: a head learns against teacher-forced labels, the lattice'
 candidates, not over what the target would say. `Calibrator` maps raw values onto the acceptances
 actually observed, online (per draft position and confidence bin, shrunk to the raw value while a
 bin has seen little), and its `table()` is what the calibration plot shows (predicted against
-observed, per position). Nothing here is read by the verifier: no value of c can change what is
-committed.
+observed, per position). A token tree has no such signal per node: `NodeRates` counts how often each
+node index of a best-first tree is accepted (TreeGoodputPolicy). Nothing here is read by the
+verifier: no value of c can change what is committed.
 """
 
 from __future__ import annotations
@@ -114,4 +115,38 @@ class Calibrator:
         return rows
 
 
-__all__ = ["Calibrator", "expected_accepted", "lattice_confidence", "survival"]
+class NodeRates:
+    """Each node index's acceptance rate in best-first token trees: a_i = P(node i lies on the path
+    the verifier accepts), = (accepted_i + m · prior) / (seen_i + m), the prior until index i has been
+    verified about m times. Node i's verdict depends on nodes 0..i-1 only (its ancestors and the
+    siblings tried before it, all earlier in best-first order), so a round that verified the first n
+    nodes observes indices 0..n-1 as any larger tree would have them."""
+
+    def __init__(self, nodes: int, prior: float, prior_strength: float = 8.0) -> None:
+        if nodes < 1 or not 0 <= prior <= 1 or prior_strength <= 0:
+            raise ValueError(f"NodeRates needs nodes >= 1, 0 <= prior <= 1 and prior_strength > 0, got "
+                             f"{nodes}, {prior}, {prior_strength}")
+        self.prior, self.prior_strength = prior, prior_strength
+        self.seen = torch.zeros(nodes, dtype=torch.float64)  # rounds that verified node i
+        self.accepted = torch.zeros(nodes, dtype=torch.float64)  # ... and accepted it
+
+    @property
+    def nodes(self) -> int:
+        return self.seen.shape[0]
+
+    def observe(self, num_verified: int, accepted: list[int]) -> None:
+        """A round verified the first num_verified nodes and accepted `accepted` (node indices)."""
+        if not 0 <= num_verified <= self.nodes or any(not 0 <= i < num_verified for i in accepted) \
+                or len(set(accepted)) != len(accepted):
+            raise ValueError(f"need distinct accepted nodes ({accepted}) among the {num_verified} verified, "
+                             f"at most {self.nodes}")
+        self.seen[:num_verified] += 1
+        self.accepted[torch.tensor(accepted, dtype=torch.long)] += 1
+
+    def rates(self) -> Tensor:
+        """a [nodes] float64."""
+        m = self.prior_strength
+        return (self.accepted + m * self.prior) / (self.seen + m)
+
+
+__all__ = ["Calibrator", "NodeRates", "expected_accepted", "lattice_confidence", "survival"]

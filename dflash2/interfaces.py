@@ -42,24 +42,26 @@ from .verify import Draft
 
 @runtime_checkable
 class VerifyPolicy(Protocol):
-    """Sizes verification (path drafts). drafts: before a round, with `rows` rows in flight, whether to
-    draft at all (False: a plain decoding step for every row; the drafter reads the skipped tokens'
-    target features at its next round; neither widths nor observe is called for such a round). widths:
-    each row's draft and the round's drafting seconds so far → how many of its tokens to verify (0..len;
-    the loop truncates the draft to it). observe: after verification, the draft as drafted, the tokens
-    verified and those accepted (online calibration).
+    """Sizes verification (path drafts and token trees). drafts: before a round, with `rows` rows in
+    flight, whether to draft at all (False: a plain decoding step for every row; the drafter reads the
+    skipped tokens' target features at its next round; neither widths nor observe is called for such a
+    round). widths: each row's draft and the round's drafting seconds so far → how many of its tokens
+    (a tree: nodes) to verify, 0..len; the loop truncates a path to its first tokens, a tree to its
+    first nodes. observe: after verification, the draft as drafted, the number verified and the
+    indices of those accepted (a path: 0..a-1; a tree: the accepted nodes from the anchor down), for
+    online calibration.
 
     The contract that keeps sampled output exact: whether token t is verified may depend on anything
     but token t itself (the context, the tokens before it, other rows, past rounds, the confidences,
     which are computed before token t is drawn). Deciding on token t's own value biases the output
     (tests/test_policy.py has that mutant); at temperature 0 the draft is a function of the context,
-    and any width is lossless."""
+    and any width is lossless; so is a token tree's (its nodes are chosen, not drawn)."""
 
     def drafts(self, rows: int) -> bool: ...
 
-    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]: ...
+    def widths(self, drafts: list[Draft | TokenTree], draft_s: float) -> list[int]: ...
 
-    def observe(self, draft: Draft, verified: int, accepted: int) -> None: ...
+    def observe(self, draft: Draft | TokenTree, verified: int, accepted: list[int]) -> None: ...
 
 
 @runtime_checkable

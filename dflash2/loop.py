@@ -113,7 +113,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     prompt = check_prompt(input_ids, tgt, max_new_tokens)
     stops = check_stops(stop_token_ids, tgt.vocab_size)
     check_verify(verify, tree_nodes, drafter, tgt)
-    check_policy(policy, verify)
+    check_policy(policy)
     rng = rng or TorchRandom(generator)
     sync = synchronizer(tgt.device)
 
@@ -128,7 +128,8 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         anchor = first_token(step.logits[0, -1], params, rng)
         tokens.append(anchor)
         pending = Backlog(step.features)  # target features the drafter has not read yet
-        empty = Draft(torch.zeros(0, dtype=torch.long, device=tgt.device))  # a round the policy does not draft
+        none = torch.zeros(0, dtype=torch.long, device=tgt.device)
+        empty = TokenTree(none, none) if verify == "tree" else Draft(none)  # a round the policy does not draft
         if on_commit:
             on_commit([anchor], 0)
         sync()
@@ -154,7 +155,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
                 step = tgt.forward(block[None], cache)  # logits [1, L+1, V]
             outcome = decide(draft, step.logits[0], params, rng, budget, stops)
             if policy is not None and not skip:
-                policy.observe(drafted, draft.tokens.shape[0], len(outcome.kept) - 1)
+                policy.observe(drafted, draft.tokens.shape[0], [i - 1 for i in outcome.kept[1:]])  # accepted ones
             tgt.keep(cache, step, outcome.kept)  # the anchor and the accepted drafts
             sync()
             timings["draft_s"] += t1 - t0

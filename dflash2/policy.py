@@ -21,6 +21,11 @@ through the greedy and exact-distribution checks).
     step is expected to commit more tokens per second than the best drafting round, judged from the
     measured drafting seconds and each position's observed acceptance rate (probing now and then).
 
+Token trees (verify="tree"): `TreeGoodputPolicy` verifies the first n nodes of each row's best-first
+tree (its n most probable nodes, a tree itself), n chosen the same way from each node index's observed
+acceptance rate. A node's verdict depends only on the nodes before it (its ancestors and earlier
+siblings), so a round that verified n nodes tells what nodes 0..n-1 would have done in any larger tree.
+
 Confidences come from `Draft.confidence` where the drafter fills it (a confidence head), calibrated
 online (`Calibrator`) from the acceptances the loop reports; a draft without them is read at a
 constant raw value, so that the calibrator learns each position's observed acceptance rate.
@@ -38,7 +43,8 @@ from typing import Callable
 
 import torch
 
-from .confidence import Calibrator, survival
+from .confidence import Calibrator, NodeRates, survival
+from .tree import TokenTree
 from .verify import Draft
 
 # The raw value a draft without confidences is read at (one calibrator bin per position): optimistic, so that a
@@ -141,13 +147,15 @@ def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8
         return CostModel.measure(run, [rows * (1 + n) for n in sizes], repeats)
 
 
-def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: int = 4) -> float:
+def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: int = 4, verify: str = "path",
+                  tree_nodes: int = 15) -> float:
     """The drafting seconds of one round at `rows` rows on this machine: `rows` random prompts of
     `context` tokens decoded for `rounds` + 1 rounds (spec_generate at one row, spec_generate_batch
     at more), twice (the first run compiles what a compiled drafter compiles), the fastest round of
     the second run after its first (which also reads the whole prompt's features). A prior for
     GoodputPolicy(draft_s=...), so that its first round need not draft to learn it; the policy's
-    first measured round at that number of rows replaces it."""
+    first measured round at that number of rows replaces it. verify="tree": a tree of `tree_nodes`
+    nodes per row (TreeGoodputPolicy's drafting)."""
     from .batch import spec_generate_batch
     from .checks import adapt_target
     from .loop import spec_generate
@@ -158,9 +166,11 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
         timer = _DraftTimer()
         with torch.no_grad():
             if rows == 1:
-                spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+                spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer,
+                              verify=verify, tree_nodes=tree_nodes)
             else:
-                spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer)
+                spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer,
+                                    verify=verify, tree_nodes=tree_nodes)
     if not timer.seconds:
         raise ValueError("profile_draft: the drafter drafted nothing (block_size 1, or an autoregressive drafter)")
     return min(timer.seconds[1:] or timer.seconds)
@@ -175,7 +185,7 @@ class FixedWidth:
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         return [d.tokens.shape[0] for d in drafts]
 
-    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+    def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         pass
 
 
@@ -213,6 +223,8 @@ class GoodputPolicy:
     not measured yet is estimated from the others (`draft_cost`), so that a draining batch does not
     probe at every size."""
 
+    capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
+
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, explore: float = 0.05, explore_min: float = 0.002,
                  draft_s: dict[int, float] | None = None) -> None:
@@ -248,9 +260,10 @@ class GoodputPolicy:
         return torch.cumprod(rates, 0).tolist()
 
     def _round_rate(self, curves: list[list[float]], draft_s: float) -> tuple[list[int], float]:
-        """The widths for these survival curves and their expected committed tokens per second."""
+        """The widths for these curves (a row's expected accepted tokens at each width: the sum of its
+        first `width` values) and their expected committed tokens per second."""
         rows = len(curves)
-        if self.padded:
+        if self.padded or self.capped:
             widths = best_cap(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
             tokens = rows * (max(widths, default=0) + 1)
         else:
@@ -277,7 +290,7 @@ class GoodputPolicy:
             self._probing = True
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
-            _, rate = self._round_rate([self.expected_survival()] * rows, draft_s)
+            _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
             plain_s = self.cost.verify_s(rows)
             probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
             self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_extra)
@@ -295,6 +308,8 @@ class GoodputPolicy:
         return True
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+        for d in drafts:
+            self.check(d)
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
         if drafted:  # a drafting round: its seconds, smoothed per number of rows
             old = self.draft_s.get(len(drafts)) if len(drafts) in self._measured else None  # a given prior: replaced
@@ -305,15 +320,64 @@ class GoodputPolicy:
             self._probing = False
             widths = [d.tokens.shape[0] for d in drafts]
         else:
-            curves = [survival(self.confidence(d)).tolist() if d.tokens.shape[0] else [] for d in drafts]
-            widths = self._round_rate(curves, draft_s)[0]
+            widths = self._round_rate([self.curve(d) if d.tokens.shape[0] else [] for d in drafts], draft_s)[0]
         if drafted:
             self.chosen.update(widths)
         return widths
 
-    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+    def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         if verified:
-            self.calibrator.observe(self._raw(draft), verified, accepted)
+            self.calibrator.observe(self._raw(draft), verified, len(accepted))
+            self._pays.clear()
+
+    # what a round's rows are expected to accept (TreeGoodputPolicy reads trees instead)
+    def check(self, draft) -> None:
+        if isinstance(draft, TokenTree):
+            raise ValueError("GoodputPolicy sizes path drafts; for verify='tree' use TreeGoodputPolicy")
+
+    def curve(self, draft: Draft) -> list[float]:
+        """[L] the survival of the draft's calibrated confidences: verifying its first n tokens accepts
+        the sum of the first n in expectation."""
+        return survival(self.confidence(draft)).tolist()
+
+    def expected_curve(self) -> list[float]:
+        """[positions] what curve() expects of a round not drafted yet (drafts())."""
+        return self.expected_survival()
+
+
+class TreeGoodputPolicy(GoodputPolicy):
+    """GoodputPolicy for token trees (spec_generate(..., verify="tree")): each row verifies the first
+    n nodes of its best-first tree (its n most probable nodes), n chosen as GoodputPolicy chooses a
+    width, from `rates` (NodeRates: a_i, how often node index i is accepted). A round verifying n
+    nodes commits 1 + Σ_{i<n} a_i tokens per row in expectation. a_i starts at UNKNOWN_CONFIDENCE, so
+    the first rounds verify whole trees and observe every index. One n for every row (best_cap): a
+    tree's a_i need not fall with i (a sibling can be rarer than a grandchild), which best_widths'
+    slot order needs. Per-round confidences are not read (a TokenTree carries none). positions: the
+    most nodes a tree has (tree_nodes)."""
+
+    capped = True
+
+    def __init__(self, cost: CostModel, positions: int, rates: NodeRates | None = None, **kwargs) -> None:
+        super().__init__(cost, positions, **kwargs)
+        self.rates = rates or NodeRates(positions, UNKNOWN_CONFIDENCE)
+        if self.rates.nodes < positions:
+            raise ValueError(f"TreeGoodputPolicy(positions={positions}) needs NodeRates of as many nodes, got "
+                             f"{self.rates.nodes}")
+
+    def check(self, draft) -> None:
+        if draft.tokens.shape[0] > self.positions:
+            raise ValueError(f"TreeGoodputPolicy(positions={self.positions}) got a draft of {draft.tokens.shape[0]} "
+                             "nodes: give it positions=tree_nodes")
+
+    def curve(self, draft) -> list[float]:
+        return self.rates.rates()[: draft.tokens.shape[0]].tolist()
+
+    def expected_curve(self) -> list[float]:
+        return self.rates.rates()[: self.positions].tolist()
+
+    def observe(self, draft, verified: int, accepted: list[int]) -> None:
+        if verified:
+            self.rates.observe(verified, accepted)
             self._pays.clear()
 
 
@@ -350,5 +414,5 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
     return [min(best_cap_, len(c)) for c in curves]
 
 
-__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "best_cap", "best_widths", "profile_draft", "profile_verify",
-           "profile_verify_batch"]
+__all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "TreeGoodputPolicy", "best_cap", "best_widths", "profile_draft",
+           "profile_verify", "profile_verify_batch"]

@@ -57,6 +57,15 @@ class TokenTree(NamedTuple):
         """A path [M] as a tree: each token the only child of the one before."""
         return TokenTree(tokens, torch.arange(-1, tokens.shape[0] - 1, device=tokens.device))
 
+    def truncate(self, nodes: int) -> "TokenTree":
+        """The first `nodes` nodes: a tree still (parents point to earlier nodes), and of a best-first
+        tree the `nodes` most probable ones. Each kept node is verified as in the whole tree: its
+        acceptance depends on its ancestors and earlier siblings, all earlier in index order."""
+        nodes = max(nodes, 0)
+        if nodes >= self.tokens.shape[0]:
+            return self
+        return TokenTree(self.tokens[:nodes], self.parents[:nodes])
+
     def block(self) -> tuple[Tensor, Tensor]:
         """The pass over [anchor, nodes]: depth [M+1] (0 for the anchor; positions are the anchor's
         plus depth) and visible [M+1, M+1] bool (row i sees the anchor, itself and its ancestors)."""

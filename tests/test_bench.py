@@ -15,7 +15,8 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     assert main(["--quick", f"out={out}", "draft_lens=[3]"]) == 0
     data = json.loads((out / "results.json").read_text())
     rows = data["rows"]
-    expected = (set(ALL_METHODS) - {"dflash2_tree"}) | {"dflash2_tree32", "dflash2_walk_L3"}  # one row per size
+    trees = {"dflash2_tree", "dflash2_goodput_tree"}  # one row per size
+    expected = (set(ALL_METHODS) - trees) | {"dflash2_tree32", "dflash2_goodput_tree32", "dflash2_walk_L3"}
     assert {r["method"] for r in rows if r["concurrency"] == 1} == expected
     batched = expected - {"hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash2_argmax"}  # our loop's, batched
     walk = next(r for r in rows if r["method"] == "dflash2_walk" and r["concurrency"] == 1)
@@ -33,8 +34,8 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
             assert len(r["acceptance_by_position"]) == r["block_size"] - 1
             assert set(r["per_round_ms"]) == {"draft", "verify", "other"}
     assert all(r["tau"] <= 4 for r in rows if r["method"] == "dflash2_walk_L3")  # 3 drafts + the bonus
-    adaptive = [r for r in rows if r["method"] == "dflash2_goodput"]  # its widths and its cost curve
-    assert adaptive and all(sum(r["width_histogram"].values()) == pytest.approx(1.0) for r in adaptive)
+    adaptive = [r for r in rows if r["method"].startswith("dflash2_goodput")]  # their widths and cost curves
+    assert {r["method"] for r in adaptive} == {"dflash2_goodput", "dflash2_goodput_tree32"} and all(sum(r["width_histogram"].values()) == pytest.approx(1.0) for r in adaptive)
     assert all(len(r["cost_curve_ms"]) >= 2 and all(ms > 0 for _, ms in r["cost_curve_ms"]) for r in adaptive)
     assert "What the adaptive rows chose" in (out / "results.md").read_text()
     ar = [r for r in rows if r["method"] == "ar"]

@@ -13,14 +13,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2 import VerifyPolicy, spec_generate, spec_generate_batch
-from dflash2.confidence import Calibrator
+from dflash2 import SamplingParams, VerifyPolicy, spec_generate, spec_generate_batch
+from dflash2.confidence import Calibrator, NodeRates
 from dflash2.loop import AutoregressiveDrafter
-from dflash2.policy import (SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy, best_cap, best_widths,
-                            profile_draft)
+from dflash2.policy import (SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy, TreeGoodputPolicy,
+                            best_cap, best_widths, profile_draft)
+from dflash2.rng import TorchRandom
+from dflash2.tree import TokenTree, verify_tree
 from dflash2.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
 from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
+from tests.test_tree_loop import DRAFTERS as TREE_DRAFTERS
+from tests.test_tree_loop import PARAMS as TREE_PARAMS
+from tests.test_tree_loop import ar_distribution as tree_ar_distribution
+from tests.test_tree_loop import random_tree, tree_distribution
 
 DETECT = 1e-4
 
@@ -44,9 +50,11 @@ class ScriptedWidths:
         self.round += 1
         return [min(w + i, d.tokens.shape[0]) for i, d in enumerate(drafts)]  # rows differ too
 
-    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
-        assert 0 <= accepted <= verified <= draft.tokens.shape[0]
-        self.seen.append((verified, accepted))
+    def observe(self, draft, verified: int, accepted: list[int]) -> None:
+        assert verified <= draft.tokens.shape[0] and all(0 <= i < verified for i in accepted)
+        if isinstance(draft, Draft):  # a path accepts a prefix
+            assert accepted == list(range(len(accepted)))
+        self.seen.append((verified, len(accepted)))
 
 
 class PeekingPolicy(ScriptedWidths):
@@ -153,7 +161,7 @@ def test_goodput_learns_what_verification_accepts():
     blind = Draft(torch.arange(4))
     assert policy.widths([blind], 0.0)[0] > 0  # the prior (c = UNKNOWN_CONFIDENCE) pays at this cost
     for _ in range(50):
-        policy.observe(blind, 4, 0)
+        policy.observe(blind, 4, [])
     assert policy.widths([blind], 0.0) == [0]
 
 
@@ -162,8 +170,12 @@ def test_policies_are_checked():
     target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
     with pytest.raises(ValueError, match="policy must be a dflash2.VerifyPolicy"):
         spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=4, policy=object())
-    with pytest.raises(ValueError, match="sizes path drafts"):
-        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=4, policy=FixedWidth(), verify="tree")
+    with pytest.raises(ValueError, match="use TreeGoodputPolicy"):
+        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=4, verify="tree",
+                      policy=GoodputPolicy(CostModel(((1, 1.0),)), 4))
+    with pytest.raises(ValueError, match="positions=tree_nodes"):
+        spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=8, verify="tree", tree_nodes=6,
+                      policy=TreeGoodputPolicy(CostModel(((1, 1.0),)), 2))
 
     class TooWide(ScriptedWidths):
         def widths(self, drafts, draft_s):
@@ -255,7 +267,7 @@ class StrictSkips(ScriptedWidths):
         assert self.drafting, "widths() asked for a round that drafts() skipped"
         return super().widths(drafts, draft_s)
 
-    def observe(self, draft: Draft, verified: int, accepted: int) -> None:
+    def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         assert self.drafting, "observe() called for a round that drafts() skipped"
         super().observe(draft, verified, accepted)
 
@@ -302,7 +314,7 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     for _ in range(50):  # the loop's protocol: drafts(), then widths() and observe() when it drafted
         if policy.drafts(1):
             [w] = policy.widths([blind], 0.0)
-            policy.observe(blind, w, 0)
+            policy.observe(blind, w, [])
     answers = policy.answers
     probes = [i for i, a in enumerate(answers) if a]
     assert probes == [0, 6, 18, 30, 42], probes  # the first round measures the drafting time, then it stops
@@ -314,7 +326,7 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     for _ in range(20):
         if eager.drafts(1):
             [w] = eager.widths([sure], 0.0)
-            eager.observe(sure, w, w)
+            eager.observe(sure, w, list(range(w)))
     assert all(eager.answers)
     padded = CountedGoodput(cost, positions=4, padded=True, draft_time=0.5)  # the batched decision, per row count
     assert padded.draft_cost(3) is None and padded.drafts(3)  # nothing measured yet: draft and measure
@@ -407,5 +419,101 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     for _ in range(400):
         if wrong.drafts(1):
             [w] = wrong.widths([sure], 0.0)
-            wrong.observe(sure, w, w)
+            wrong.observe(sure, w, list(range(w)))
     assert not wrong.answers[0] and wrong.draft_s == {1: pytest.approx(0.1)} and all(wrong.answers[-100:])
+
+
+# -- token trees -------------------------------------------------------------------------------------
+@settings(max_examples=40)
+@given(seed=st.integers(0, 2**31 - 1), nodes=st.integers(1, 9), greedy=st.booleans())
+def test_a_truncated_tree_verifies_its_nodes_as_the_whole_tree_does(seed, nodes, greedy):
+    """What NodeRates relies on: with the same random stream, the first n nodes of a tree accept
+    exactly the whole tree's accepted nodes below n (a node's verdict depends on earlier nodes only)."""
+
+    g = torch.Generator().manual_seed(seed)
+    tree = random_tree(g, nodes, vocab=4)
+    logits = torch.randn(tree.tokens.shape[0] + 1, 4, generator=g, dtype=torch.float64) * 2
+    params = SamplingParams(0.0 if greedy else 1.0)
+    full = verify_tree(tree, logits, params, TorchRandom(torch.Generator().manual_seed(seed))).path
+    for n in range(tree.tokens.shape[0] + 1):
+        cut = tree.truncate(n)
+        cut.validate()
+        path = verify_tree(cut, logits[: n + 1], params, TorchRandom(torch.Generator().manual_seed(seed))).path
+        assert path == [i for i in itertools.takewhile(lambda i: i < n, full)], (n, path, full)
+
+
+@settings(max_examples=10)
+@given(script=st.lists(st.integers(0, 6), min_size=1, max_size=4), budget=st.integers(1, 14),
+       prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6),
+       skips=st.lists(st.booleans(), min_size=1, max_size=3))
+def test_tree_greedy_output_is_the_targets_whatever_the_node_counts(script, budget, prompt, skips):
+    target = tiny_target("qwen3")
+    drafter = tiny_drafter("qwen3", 5, selector="walk")
+    want = hf_greedy(target, prompt, budget)
+    policy = ScriptedWidths(script, skips)
+    out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy, verify="tree",
+                        tree_nodes=7)
+    assert out.sequences[0].tolist() == want
+    assert all(n <= min(max(script), 7) + 1 for n in out.acceptance_lengths)  # the node counts were applied
+    batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=budget,
+                                policy=ScriptedWidths(script, skips), verify="tree", tree_nodes=7)
+    assert [r.sequences[0].tolist() for r in batch] == [want, hf_greedy(target, prompt[::-1], budget)]
+
+
+@pytest.mark.parametrize("script", [[0], [1], [2, 0, 5]])
+@pytest.mark.parametrize("drafter_name", ["2x2", "lattice_k2"])
+def test_tree_sampled_output_is_exact_whatever_the_node_counts(script, drafter_name):
+
+    params = TREE_PARAMS["T1"]
+    got, _ = tree_distribution(TREE_DRAFTERS[drafter_name](), params, policy=lambda: ScriptedWidths(script, [False, True]))
+    assert max_abs_diff(got, tree_ar_distribution(params)) < EXACT
+
+
+class RecordedTreeGoodput(TreeGoodputPolicy):
+    """TreeGoodputPolicy without the wall clock, recording its node counts."""
+
+    chosen_counts: set = set()
+
+    def widths(self, drafts, draft_s):
+        widths = super().widths(drafts, 0.0)
+        RecordedTreeGoodput.chosen_counts.update(widths)
+        return widths
+
+
+def test_tree_sampled_output_is_exact_under_the_tree_goodput_policy():
+    """TreeGoodputPolicy, learning node rates inside each branch, sizes the trees: still exact."""
+
+    params, RecordedTreeGoodput.chosen_counts = TREE_PARAMS["T0.7_topk2"], set()
+    cost = CostModel(((1, 1.0), (2, 1.3), (9, 3.4)))
+
+    def policy():  # a prior that makes the early counts depend on what was observed
+        return RecordedTreeGoodput(cost, 8, rates=NodeRates(8, prior=0.6, prior_strength=0.5))
+
+    got, _ = tree_distribution(TREE_DRAFTERS["lattice_k2"](), params, policy=policy)
+    assert max_abs_diff(got, tree_ar_distribution(params)) < EXACT
+    assert len(RecordedTreeGoodput.chosen_counts) >= 2, f"one node count only ({RecordedTreeGoodput.chosen_counts})"
+
+
+def test_tree_goodput_verifies_the_nodes_that_pay():
+    """Node rates learned from full trees (nodes 0 and 2 usually accepted, the rest never): a cheap
+    pass verifies every node, a pass whose every token costs a quarter of a plain step stops after
+    node 2, a dear one verifies none; the padded choice of many rows is one count for all."""
+
+    tree = TokenTree(torch.tensor([5, 6, 7, 8, 9, 4]), torch.tensor([-1, -1, 0, 1, 2, 0]))
+    policy = TreeGoodputPolicy(CostModel(((1, 1.0), (64, 1.0))), 6, draft_s={1: 0.0})
+    assert policy.drafts(1) and policy.widths([tree], 0.0) == [6]  # the prior: every node pays
+    for k in range(40):
+        policy.observe(tree, 6, [0, 2] if k % 10 else [1])
+    rates = policy.rates.rates()
+    assert rates[0] > 0.8 and rates[2] > 0.8 and rates[3] < 0.2 and rates[4] < 0.2
+    assert policy.widths([tree], 0.0) == [6]  # free width
+    policy.cost = CostModel(((1, 1.0), (2, 1.25)))
+    assert policy.widths([tree], 0.0) == [3]
+    policy.cost = CostModel(((1, 1.0), (2, 3.0)))
+    assert policy.widths([tree], 0.0) == [0]
+    many = TreeGoodputPolicy(CostModel(((1, 1.0), (2, 1.05))), 6, rates=policy.rates, padded=True)
+    assert many.widths([tree, tree.truncate(2)], 0.0) == [3, 2]  # 2 × 4 tokens: node 3 pays for one row only
+    with pytest.raises(ValueError, match="distinct accepted nodes"):
+        policy.observe(tree, 2, [0, 2])
+    with pytest.raises(ValueError, match="NodeRates of as many nodes"):
+        TreeGoodputPolicy(CostModel(((1, 1.0),)), 6, rates=NodeRates(3, 0.5))

@@ -227,11 +227,12 @@ DRAFTERS = {"chain_3": lambda: stub_tree((1, 1, 1)), "width_3": lambda: stub_tre
 PARAMS = {"T1": SamplingParams(1.0), "T0.7_topk2": SamplingParams(0.7, top_k=2), "T1.3_topp0.8": SamplingParams(1.3, top_p=0.8)}
 
 
-def tree_distribution(drafter, params: SamplingParams, lengths: set | None = None, n_new: int = N_NEW):
+def tree_distribution(drafter, params: SamplingParams, lengths: set | None = None, n_new: int = N_NEW, policy=None):
+    """policy: a factory of the verification policy each branch runs with (tests/test_policy.py)."""
     def program(rng):
         out = spec_generate(drafter, small_target(), torch.tensor([PROMPT]), max_new_tokens=n_new,
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,
-                            verify="tree", tree_nodes=8)
+                            verify="tree", tree_nodes=8, policy=policy() if policy else None)
         if lengths is not None:
             lengths.update(out.acceptance_lengths)
         return tuple(out.new_tokens.tolist())

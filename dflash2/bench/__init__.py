@@ -22,6 +22,10 @@ to `out`. Methods:
                      when a plain step pays more; its rows carry `width_histogram` (share of
                      row-rounds per verified width, "skip" for rounds not drafted) and `cost_curve_ms`
                      (the curve it used), also tabled under results.md's main table
+    dflash2_goodput_tree<M>
+                     the same with token trees (TreeGoodputPolicy): each round verifies the first n
+                     nodes of the walk drafter's best-first tree of M nodes, n from each node index's
+                     observed acceptance rate, or skips the draft; one row per size in `tree_nodes`
     dflash2_walk_L<n> with `draft_lens: [n, ...]`: the walk drafter still runs its whole block but
                      proposes only the first n positions (drafter config `draft_len`), so the target
                      verifies n + 1 tokens per row instead of B

@@ -24,7 +24,7 @@ TARGET_STEPS = ("hf", "static")
 HF_BASELINES = ("hf_prompt_lookup", "hf_assisted")  # HF's speculative decoding: the drafters to beat
 
 ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1", "dflash2_walk", "dflash2_viterbi",
-               "dflash2_argmax", "dflash2_tree", "dflash2_goodput")
+               "dflash2_argmax", "dflash2_tree", "dflash2_goodput", "dflash2_goodput_tree")
 
 VLLM_METHODS = ("vllm_ar", "vllm_dflash1", "vllm_dflash2")  # with vllm_python: the engine, in its own venv
 

@@ -36,12 +36,13 @@ class Method:
     compiled: bool = False  # the drafter's round through torch.compile (DFlash2Drafter.compile; batch 1)
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
-    tree_nodes: int | None = None  # dflash2_tree: verify a token tree of this many nodes
+    tree_nodes: int | None = None  # dflash2_tree, dflash2_goodput_tree: verify a token tree of (at most) this many nodes
     target_step: str = "hf"  # our loop: "hf" (the model's forward) or "static" (StaticTarget)
 
     @property
     def name(self) -> str:
-        name = f"dflash2_tree{self.tree_nodes}" if self.family == "dflash2_tree" else self.family
+        trees = ("dflash2_tree", "dflash2_goodput_tree")
+        name = f"{self.family}{self.tree_nodes}" if self.family in trees else self.family
         name += f"_L{self.draft_len}" if self.draft_len else ""
         name += f"_V{self.draft_vocab}" if self.draft_vocab else ""
         name += "_compiled" if self.compiled else ""
@@ -90,13 +91,15 @@ class Run:
 
 
 class _Policies:
-    """dflash2_goodput's policies at `rows` rows in flight: per target step and drafter, the verify
-    cost (profile_verify, or profile_verify_batch at more than one row) and the drafting seconds
-    (profile_draft) measured once, before the first timed run; per target step, drafter and sampling
-    setting one GoodputPolicy, carried from prompt to prompt as a server's would be. Its acceptance
-    calibration is `calibrators`' entry for the drafter and setting (what is accepted at T = 1 is not
-    what greedy accepts): the bench passes one dict to every table, so that a table at 8 or 32 rows
-    starts from what the run has observed so far, as a server that has been running would."""
+    """dflash2_goodput's policies (and dflash2_goodput_tree's) at `rows` rows in flight: per target
+    step, drafter and verification (path, or a tree of M nodes), the verify cost (profile_verify, or
+    profile_verify_batch at more than one row) and the drafting seconds (profile_draft) measured once,
+    before the first timed run; per those and the sampling setting one GoodputPolicy (TreeGoodputPolicy),
+    carried from prompt to prompt as a server's would be. Its acceptance statistics (Calibrator;
+    NodeRates for trees) are `calibrators`' entry for the drafter, verification and setting (what is
+    accepted at T = 1 is not what greedy accepts): the bench passes one dict to every table, so that a
+    table at 8 or 32 rows starts from what the run has observed so far, as a server that has been
+    running would."""
 
     def __init__(self, rows: int, padded: bool, calibrators: dict | None = None) -> None:
         self.rows, self.padded = rows, padded
@@ -104,24 +107,32 @@ class _Policies:
         self.costs: dict[tuple, Any] = {}
         self.policies: dict[tuple, Any] = {}
 
-    def __call__(self, tgt, drafter, setting: dict):
-        from ..confidence import Calibrator
-        from ..policy import GoodputPolicy, profile_draft, profile_verify, profile_verify_batch
+    def __call__(self, tgt, drafter, setting: dict, tree_nodes: int | None = None):
+        from ..confidence import Calibrator, NodeRates
+        from ..policy import (UNKNOWN_CONFIDENCE, GoodputPolicy, TreeGoodputPolicy, profile_draft, profile_verify,
+                              profile_verify_batch)
         from ..target.adapter import TargetAdapter
 
-        key = (id(tgt), id(drafter))
+        key = (id(tgt), id(drafter), tree_nodes)
+        positions = tree_nodes or drafter.block_size - 1  # the most tokens (nodes) a round verifies
         if key not in self.costs:
             step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
-            sizes = tuple(range(1, drafter.block_size))
+            sizes = tuple(range(1, positions + 1))
             cost = profile_verify(step, sizes=sizes) if self.rows == 1 else \
                 profile_verify_batch(step, self.rows, sizes=sizes)
-            self.costs[key] = cost, profile_draft(drafter, step, self.rows)
+            verify = dict(verify="tree", tree_nodes=tree_nodes) if tree_nodes else {}
+            self.costs[key] = cost, profile_draft(drafter, step, self.rows, **verify)
         full = (*key, tuple(sorted(setting.items())))
         if full not in self.policies:
             cost, draft_s = self.costs[key]
-            calibrator = self.calibrators.setdefault((id(drafter), full[2]), Calibrator(drafter.block_size - 1))
-            self.policies[full] = GoodputPolicy(cost, positions=drafter.block_size - 1, calibrator=calibrator,
-                                                padded=self.padded, draft_s={self.rows: draft_s})
+            common = dict(padded=self.padded, draft_s={self.rows: draft_s})
+            stats = (id(drafter), tree_nodes, full[3])
+            if tree_nodes:
+                rates = self.calibrators.setdefault(stats, NodeRates(tree_nodes, UNKNOWN_CONFIDENCE))
+                self.policies[full] = TreeGoodputPolicy(cost, positions, rates=rates, **common)
+            else:
+                calibrator = self.calibrators.setdefault(stats, Calibrator(positions))
+                self.policies[full] = GoodputPolicy(cost, positions, calibrator=calibrator, **common)
         return self.policies[full]
 
 
@@ -151,7 +162,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             kw = dict(verify)
             before = None
             if kw.get("policy") == "goodput":
-                kw["policy"] = policy_for(tgt, drafter, setting)
+                kw["policy"] = policy_for(tgt, drafter, setting,
+                                          kw.get("tree_nodes") if kw.get("verify") == "tree" else None)
                 before = Counter(kw["policy"].chosen)
             out = (ar_generate(tgt, ids, max_new_tokens=cfg.max_new_tokens, stop_token_ids=stops, generator=g,
                                **setting) if drafter is None else
@@ -207,6 +219,9 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
             for m in cfg.tree_nodes:
                 yield Method("dflash2_tree", dtype, tree_nodes=m), walk, dict(verify="tree", tree_nodes=m)
             yield Method("dflash2_goodput", dtype), walk, dict(policy="goodput")
+            for m in cfg.tree_nodes:
+                yield (Method("dflash2_goodput_tree", dtype, tree_nodes=m), walk,
+                       dict(verify="tree", tree_nodes=m, policy="goodput"))
             for n in cfg.draft_lens:
                 yield Method("dflash2_walk", dtype, draft_len=n), walk.with_config(draft_len=n), {}
             counts = _token_counts(cfg) if cfg.draft_vocabs else None
@@ -257,7 +272,8 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                       **setting)
             before = None
             if verify.get("policy") == "goodput":
-                kw["policy"] = policy_for(tgt, drafter, setting)
+                kw["policy"] = policy_for(tgt, drafter, setting,
+                                          verify.get("tree_nodes") if verify.get("verify") == "tree" else None)
                 before = Counter(kw["policy"].chosen)
             extra = {k: v for k, v in verify.items() if k != "policy"}
             outs = ar_generate_batch(tgt, *batch, **kw) if drafter is None else \
