@@ -33,7 +33,7 @@ to `out`. Methods:
                      with `draft_vocabs: [n, ...]`: the walk and tree rows again with the drafter's LM
                      head over the n most frequent tokens of `token_counts` (a safetensors file of
                      `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
-    ..._compiled     with `compile_drafters: true`: the walk and tree rows (and their _V<n> rows) again
+    ..._compiled     with `compile_drafters: true`: the walk, tree and adaptive rows (and the _V<n> rows) again
                      with each drafting round through torch.compile as one graph (DFlash2Drafter.compile,
                      dynamic shapes), batch 1 only; `target_steps` chooses the target's step
 

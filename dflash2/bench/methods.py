@@ -205,8 +205,8 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
 
 def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True):
     """(Method, drafter at block size `block`, spec_generate's verify arguments) of every drafter
-    method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk
-    and tree rows with a compiled drafting round."""
+    method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk,
+    tree and adaptive rows with a compiled drafting round."""
     for dtype in cfg.drafter_dtypes:
         ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
         if "dflash1" in ds:
@@ -237,6 +237,11 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 for m in cfg.tree_nodes:
                     yield (Method("dflash2_tree", dtype, compiled=True, draft_vocab=n, tree_nodes=m), fast,
                            dict(verify="tree", tree_nodes=m))
+                if n is None:  # the adaptive rows with the compiled round
+                    yield Method("dflash2_goodput", dtype, compiled=True), fast, dict(policy="goodput")
+                    for m in cfg.tree_nodes:
+                        yield (Method("dflash2_goodput_tree", dtype, compiled=True, tree_nodes=m), fast,
+                               dict(verify="tree", tree_nodes=m, policy="goodput"))
 
 
 def _token_counts(cfg: BenchConfig) -> torch.Tensor:
