@@ -37,7 +37,7 @@ machine it runs on, in a second or two, for a batch-1 target.
 from __future__ import annotations
 
 import bisect
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
 
@@ -52,6 +52,7 @@ from .verify import Draft
 # would skip the drafts that could prove it wrong).
 UNKNOWN_CONFIDENCE = 0.9
 SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
+DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class CostModel:
 
     @classmethod
     def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> "CostModel":
-        """Time run(n) for each n in sizes (best of `repeats`, after one warm-up call each)."""
+        """Time run(n) for each n in sizes (best of `repeats`, after one warm-up call each). A pass over
+        more tokens costs no less, and a timing's noise only adds: each point is then the least time
+        measured at its size or above."""
         import time
 
         points = []
@@ -90,13 +93,15 @@ class CostModel:
                 run(n)
                 best = min(best, time.perf_counter() - start)
             points.append((n, best))
+        for i in range(len(points) - 2, -1, -1):  # the least time at this size or above
+            points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
         return cls(tuple(points))
 
 
-def profile_verify(target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 256,
+def profile_verify(target, sizes: tuple[int, ...] = (0, 1, 2, 4, 8, 16), context: int = 256,
                    repeats: int = 3) -> CostModel:
     """The verify cost of a target on this machine: a scratch cache prefilled with `context` tokens,
-    then target passes over 1 + n tokens (n in sizes, the drafted tokens), each rolled back; best of
+    then target passes over 1 + n tokens (n in sizes, the drafted tokens; 0: a plain step), each rolled back; best of
     `repeats` (a second or two for a small target). target: a TargetAdapter or StaticTarget (or an
     HF causal LM, wrapped)."""
     from .target.adapter import TargetAdapter
@@ -117,7 +122,7 @@ def profile_verify(target, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: i
         return CostModel.measure(run, [1 + n for n in sizes], repeats)
 
 
-def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (1, 2, 4, 8, 16), context: int = 128,
+def profile_verify_batch(target, rows: int, sizes: tuple[int, ...] = (0, 1, 2, 4, 8, 16), context: int = 128,
                          repeats: int = 3) -> CostModel:
     """profile_verify for `spec_generate_batch`'s padded pass: `rows` rows prefilled with `context`
     tokens each, then passes over [rows, 1 + n] (n in sizes), each rolled back. Points are in tokens of
@@ -209,19 +214,21 @@ class GoodputPolicy:
     row pays the widest row's width, so the choice is one cap W (each row verifies up to W tokens) and
     the pass costs verify_s(rows × (W + 1)) (the cost model read in tokens of the padded pass).
 
-    drafts(rows): a round that drafts costs its drafting (the last seconds measured at this number of
-    rows, smoothed) plus the pass over the widths chosen, and commits per row 1 + Σ_t s̄_t, s̄ the
-    survival of each position's observed acceptance rate; a plain step costs verify_s(rows) and
-    commits one token per row. When the plain step wins, the round does not draft. So that the
-    estimates can change, a skipped stretch is broken by a probe (one drafting round, verified in
-    full) once its cost above a plain step is at most `explore` × the seconds skipped since the last
-    one; each probe that confirms skipping halves that share, down to `explore_min`. Exploration thus
-    costs at most that share of the time (a vanishing one while skipping stays right), whatever the
-    number of rows or the price of a wide pass. Without `draft_s` (rows → seconds, e.g. from
-    `profile_draft`; the first round measured at that number replaces it, later ones are smoothed in)
-    the first round is a probe too (it measures the drafting time); a number of rows
-    not measured yet is estimated from the others (`draft_cost`), so that a draining batch does not
-    probe at every size."""
+    drafts(rows): a round that drafts costs its drafting (at this number of rows: the lower median of
+    the last DRAFT_WINDOW seconds measured, so that one round slowed by a compile of a new shape or by
+    the machine cannot stop drafting for good) plus the pass over the widths chosen, and commits per
+    row 1 + Σ_t s̄_t, s̄ the survival of each position's observed acceptance rate; a plain step costs
+    verify_s(rows) and commits one token per row. When the plain step wins, the round does not draft.
+    So that the estimates can change, a skipped stretch is broken by a probe (one drafting round,
+    verified in full) once its cost above a plain step is at most `explore` × the seconds skipped
+    since the last one; each probe that confirms skipping halves that share, down to `explore_min`.
+    Exploration thus costs at most that share of the time (a vanishing one while skipping stays
+    right), whatever the number of rows or the price of a wide pass. `draft_s` (rows → seconds, e.g.
+    from `profile_draft`) counts as the first measurement at that number of rows (a prior far too
+    high gives way to the first round measured lower; measured rounds push it out of the window);
+    without it the first round is a probe too (it measures the drafting time). A number of rows not
+    measured yet is estimated from the others (`draft_cost`), so that a draining batch does not probe
+    at every size."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
 
@@ -233,8 +240,8 @@ class GoodputPolicy:
         self.cost, self.padded, self.positions = cost, padded, positions
         self.calibrator = calibrator or Calibrator(positions)
         self.explore, self.explore_min = explore, explore_min
-        self.draft_s: dict[int, float] = dict(draft_s or {})  # rows → smoothed drafting seconds of a round
-        self._measured: set[int] = set()  # row counts whose draft_s was measured here (not only given)
+        self.draft_s: dict[int, float] = dict(draft_s or {})  # rows → the drafting seconds of a round expected
+        self._draft_window = {rows: deque([s], maxlen=DRAFT_WINDOW) for rows, s in self.draft_s.items()}
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
         self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         # rows → (whether drafting pays, a plain step's seconds, a probe's seconds above it), until the estimates change
@@ -311,10 +318,10 @@ class GoodputPolicy:
         for d in drafts:
             self.check(d)
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
-        if drafted:  # a drafting round: its seconds, smoothed per number of rows
-            old = self.draft_s.get(len(drafts)) if len(drafts) in self._measured else None  # a given prior: replaced
-            self.draft_s[len(drafts)] = draft_s if old is None else 0.8 * old + 0.2 * draft_s
-            self._measured.add(len(drafts))
+        if drafted:  # a drafting round: its seconds join the window at this number of rows
+            window = self._draft_window.setdefault(len(drafts), deque(maxlen=DRAFT_WINDOW))
+            window.append(draft_s)
+            self.draft_s[len(drafts)] = sorted(window)[(len(window) - 1) // 2]  # the lower median
             self._pays.clear()
         if self._probing:  # a round drafted to learn: every position it drafted is observed
             self._probing = False

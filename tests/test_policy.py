@@ -6,6 +6,7 @@ decides on a token's own value (forbidden by the VerifyPolicy contract) must be 
 from __future__ import annotations
 
 import itertools
+import time
 from collections import Counter
 
 import pytest
@@ -113,6 +114,13 @@ def test_cost_model_interpolates_and_extends():
     calls = []
     measured = CostModel.measure(calls.append, [4, 1, 4], repeats=2)
     assert [n for n, _ in measured.points] == [1, 4] and calls == [1, 1, 1, 4, 4, 4]
+
+    def slow_small(n):  # a pass over 2 tokens slowed by the machine: noise only adds time
+        time.sleep({1: 0.002, 2: 0.02, 3: 0.004}[n])
+
+    noisy = CostModel.measure(slow_small, [1, 2, 3], repeats=1)
+    assert noisy.points[1][1] == noisy.points[2][1] < 0.015  # 2 tokens cost no more than 3 measured
+    assert noisy.points[0][1] < noisy.points[2][1]
 
 
 @pytest.mark.parametrize("static", [False, True], ids=["adapter", "static"])
@@ -421,6 +429,14 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
             [w] = wrong.widths([sure], 0.0)
             wrong.observe(sure, w, list(range(w)))
     assert not wrong.answers[0] and wrong.draft_s == {1: pytest.approx(0.1)} and all(wrong.answers[-100:])
+    # a first measured round far slower than the prior (a compile of a new shape): drafting goes on
+    compiles = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_s={1: 0.1})
+    times = iter([100.0] + [0.1] * 50)
+    for _ in range(30):
+        if compiles.drafts(1):
+            [w] = GoodputPolicy.widths(compiles, [sure], next(times))
+            compiles.observe(sure, w, list(range(w)))
+    assert all(compiles.answers) and compiles.draft_s == {1: pytest.approx(0.1)}
 
 
 # -- token trees -------------------------------------------------------------------------------------

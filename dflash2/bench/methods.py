@@ -117,7 +117,7 @@ class _Policies:
         positions = tree_nodes or drafter.block_size - 1  # the most tokens (nodes) a round verifies
         if key not in self.costs:
             step = tgt if isinstance(tgt, TargetAdapter) else TargetAdapter(tgt, drafter.target_layer_ids)
-            sizes = tuple(range(1, positions + 1))
+            sizes = tuple(range(positions + 1))  # 0: a plain step, what a skipped round costs
             cost = profile_verify(step, sizes=sizes) if self.rows == 1 else \
                 profile_verify_batch(step, self.rows, sizes=sizes)
             verify = dict(verify="tree", tree_nodes=tree_nodes) if tree_nodes else {}

@@ -479,6 +479,62 @@ def _load(name: str) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+# Issue 32's cells: (rows in flight, setting) → what the adaptive row must reach against our fastest plain decoding
+REGIME_TARGETS = {(1, "greedy"): 1.3, (1, "sampling"): 1.0, (8, "greedy"): 1.3, (8, "sampling"): 1.0,
+                  (32, "greedy"): 1.0, (32, "sampling"): 1.0}
+ADAPTIVE = "dflash2_goodput_tree15"  # the adaptive row the cells are judged on, named before the run (compiled at batch 1)
+
+
+def _adaptive_row(cell: list[dict], concurrency: int) -> dict | None:
+    """The cell's ADAPTIVE row: its compiled variant at batch 1 where the run has one."""
+    rows = [r for r in cell if r["method"].startswith(ADAPTIVE) and r.get("tokens_per_s")]
+    compiled = [r for r in rows if r.get("compiled")]
+    return (compiled if concurrency == 1 and compiled else [r for r in rows if not r.get("compiled")] or [None])[0]
+
+
+def _regimes_cells(name: str) -> list[str]:
+    """Issue 32's cells from a regimes run: per cell our fastest plain decoding, the best fixed DFlash-2
+    row, the adaptive row (ADAPTIVE) and every other adaptive row, each as a ratio to our plain
+    decoding (and, in a run with vLLM, to vLLM's faster plain decoding), and whether the cell is met."""
+    data = _load(f"{name}/results.json")
+    if data is None:
+        return []
+    rows, vllm = data["rows"], any(r["method"].startswith("vllm_ar") for r in data["rows"])
+    head = "| rows | setting | our plain tok/s | best fixed DFlash-2 row | the adaptive row | other adaptive rows | asked | met |"
+    if vllm:
+        head = ("| rows | setting | vLLM plain tok/s | our plain / vLLM | best fixed / vLLM | the adaptive row / vLLM | "
+                "adaptive / our plain |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for (c, setting), asked in REGIME_TARGETS.items():
+        cell = [r for r in rows if r.get("concurrency", 1) == c and r["setting"] == setting and r.get("tokens_per_s")]
+        ours = [r for r in cell if r["method"].startswith("ar")]
+        if not ours:
+            continue
+        plain = max(ours, key=lambda r: r["tokens_per_s"])
+        fixed = max((r for r in cell if r["method"].startswith("dflash2") and "goodput" not in r["method"]),
+                    key=lambda r: r["tokens_per_s"], default=None)
+        adaptive = _adaptive_row(cell, c)
+        others = [r for r in cell if "goodput" in r["method"] and r is not adaptive]
+        x = lambda r, base=plain: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×"  # noqa: E731
+        if vllm:
+            engines = [r for r in cell if r["method"].startswith("vllm_ar")]
+            if not engines:
+                continue
+            engine = max(engines, key=lambda r: r["tokens_per_s"])
+            out.append(f"| {c} | {setting} | {engine['tokens_per_s']:.0f} ({engine['method']}) | {x(plain, engine)} | "
+                       + (f"{x(fixed, engine)} ({fixed['method']})" if fixed else "—") + " | "
+                       + (f"{x(adaptive, engine)} ({adaptive['method']})" if adaptive else "—") + " | "
+                       + (x(adaptive) if adaptive else "—") + " |")
+            continue
+        met = adaptive is not None and adaptive["tokens_per_s"] / plain["tokens_per_s"] >= asked
+        out.append(f"| {c} | {setting} | {plain['tokens_per_s']:.0f} | "
+                   + (f"{x(fixed)} ({fixed['method']})" if fixed else "—") + " | "
+                   + (f"**{x(adaptive)}** ({adaptive['method']})" if adaptive else "—") + " | "
+                   + ", ".join(f"{r['method']} {x(r)}" for r in others) + f" | ≥ {asked:.1f}× | {'yes' if met else 'no'} |")
+    return ["", f"Issue 32's cells in this run (the adaptive row: `{ADAPTIVE}`, named before the run; the compiled "
+            "drafting round at batch 1, where the run has one):", "", *out, ""]
+
+
 def _sampling_section() -> list[str]:
     """Why sampled rounds commit few tokens (experiments/embedded/sampling_analysis.py), with a reading
     computed from its numbers."""
@@ -626,9 +682,10 @@ def _dtype_note(name: str) -> str:
            "with native bfloat16 matmuls), the target in float32."
 
 
-def _bench_section(name: str, title: str, config: str, note: str, vllm: bool = False) -> list[str]:
+def _bench_section(name: str, title: str, config: str, note: str, vllm: bool = False, cells: bool = False) -> list[str]:
     """A bench run's table, with its command, plus per-round time for the speculative rows. vllm: the
-    config names the engine's rows, so its command needs vllm_python."""
+    config names the engine's rows, so its command needs vllm_python. cells: issue 32's cells, computed
+    from the run, under the note."""
     data = _load(f"{name}/results.json")
     if data is None:
         return []
@@ -636,7 +693,7 @@ def _bench_section(name: str, title: str, config: str, note: str, vllm: bool = F
     written = (f"`python {config}`" if config.split()[0].endswith(".py")
                else f"`python -m dflash2.bench --config {config}{engine} out=docs/results/{name}`")
     out = [f"## {title}", "", f"Written by {written} (docs/results/{name}/). {note}",
-           "", (RESULTS / name / "results.md").read_text(), "",
+           *(_regimes_cells(name) if cells else []), "", (RESULTS / name / "results.md").read_text(), "",
            "| dataset | setting | concurrency | method | τ | τ − τ(top-1) | draft ms/round | verify ms/round | draft share |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
