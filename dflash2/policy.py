@@ -181,6 +181,44 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
     return min(timer.seconds[1:] or timer.seconds)
 
 
+def _by_rows(table: dict[int, float], rows: int) -> float | None:
+    """table's value at `rows`, else at the next larger number (fewer rows cost no more), else the
+    largest scaled up linearly; None for an empty table."""
+    if rows in table or not table:
+        return table.get(rows)
+    larger = [r for r in table if r > rows]
+    if larger:
+        return table[min(larger)]
+    most = max(table)
+    return table[most] * rows / most
+
+
+def profile_loop(drafter, target, rows: int = 1, context: int = 128, steps: int = 17,
+                 cost: CostModel | None = None) -> float:
+    """The loop's own seconds per round at `rows` rows on this machine, outside the target pass and
+    the drafting: `steps` plain steps of spec_generate (spec_generate_batch at more rows) with a policy
+    that never drafts, on random prompts of `context` tokens, twice (the fastest run's seconds per step
+    after the prefill), less the pass a plain step makes, from `cost` (profile_verify or
+    profile_verify_batch at these rows; without it, the whole step's seconds). For
+    GoodputPolicy(loop_s=...)."""
+    from .batch import spec_generate_batch
+    from .checks import adapt_target
+    from .loop import spec_generate
+
+    tgt = adapt_target(drafter, target)
+    ids = torch.randint(0, tgt.vocab_size, (rows, context), generator=torch.Generator().manual_seed(1))
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(2):
+            if rows == 1:
+                out = spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=steps, policy=_NeverDraft())
+            else:
+                out = spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=steps,
+                                          policy=_NeverDraft())[0]
+            best = min(best, (out.total_s - out.prefill_s) / max(steps - 1, 1))  # the first token comes from the prefill
+    return max(0.0, best - (cost.verify_s(rows) if cost is not None else 0.0))
+
+
 class FixedWidth:
     """Verify every drafted token (the loops' behaviour without a policy)."""
 
@@ -192,6 +230,13 @@ class FixedWidth:
 
     def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         pass
+
+
+class _NeverDraft(FixedWidth):
+    """A plain step every round (profile_loop)."""
+
+    def drafts(self, rows: int) -> bool:
+        return False
 
 
 class _DraftTimer(FixedWidth):
@@ -228,13 +273,15 @@ class GoodputPolicy:
     high gives way to the first round measured lower; measured rounds push it out of the window);
     without it the first round is a probe too (it measures the drafting time). A number of rows not
     measured yet is estimated from the others (`draft_cost`), so that a draining batch does not probe
-    at every size."""
+    at every size. `loop_s` (rows → seconds, from `profile_loop`): what the loop spends in a round
+    outside the target pass and the drafting, added to a plain step and to a drafting round alike
+    (without it a plain step looks cheaper against drafting than it is)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, explore: float = 0.05, explore_min: float = 0.002,
-                 draft_s: dict[int, float] | None = None) -> None:
+                 draft_s: dict[int, float] | None = None, loop_s: dict[int, float] | None = None) -> None:
         if not 0 < explore_min <= explore <= 1:
             raise ValueError(f"GoodputPolicy needs 0 < explore_min <= explore <= 1, got {explore_min}, {explore}")
         self.cost, self.padded, self.positions = cost, padded, positions
@@ -242,6 +289,7 @@ class GoodputPolicy:
         self.explore, self.explore_min = explore, explore_min
         self.draft_s: dict[int, float] = dict(draft_s or {})  # rows → the drafting seconds of a round expected
         self._draft_window = {rows: deque([s], maxlen=DRAFT_WINDOW) for rows, s in self.draft_s.items()}
+        self.loop_s: dict[int, float] = dict(loop_s or {})  # rows → the loop's own seconds in a round
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
         self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         # rows → (whether drafting pays, a plain step's seconds, a probe's seconds above it), until the estimates change
@@ -270,26 +318,26 @@ class GoodputPolicy:
         """The widths for these curves (a row's expected accepted tokens at each width: the sum of its
         first `width` values) and their expected committed tokens per second."""
         rows = len(curves)
+        fixed = draft_s + self.loop_cost(rows)
         if self.padded or self.capped:
-            widths = best_cap(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+            widths = best_cap(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
             tokens = rows * (max(widths, default=0) + 1)
         else:
-            widths = best_widths(curves, lambda tokens: draft_s + self.cost.verify_s(tokens))
+            widths = best_widths(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
             tokens = rows + sum(widths)
         gain = rows + sum(sum(c[:w]) for c, w in zip(curves, widths))
-        return widths, gain / max(draft_s + self.cost.verify_s(tokens), 1e-12)
+        return widths, gain / max(fixed + self.cost.verify_s(tokens), 1e-12)
+
+    def loop_cost(self, rows: int) -> float:
+        """The loop's own seconds in a round at `rows` rows, outside the target pass and the drafting
+        (choosing tokens, the cache's bookkeeping): from `loop_s`, read like draft_cost; 0 without it."""
+        return _by_rows(self.loop_s, rows) or 0.0
 
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
         at the next larger number measured (drafting fewer rows costs no more), else the largest
         measured scaled up linearly; None before any drafting round."""
-        if rows in self.draft_s or not self.draft_s:
-            return self.draft_s.get(rows)
-        larger = [r for r in self.draft_s if r > rows]
-        if larger:
-            return self.draft_s[min(larger)]
-        most = max(self.draft_s)
-        return self.draft_s[most] * rows / most
+        return _by_rows(self.draft_s, rows)
 
     def drafts(self, rows: int) -> bool:
         draft_s = self.draft_cost(rows)
@@ -298,7 +346,7 @@ class GoodputPolicy:
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
-            plain_s = self.cost.verify_s(rows)
+            plain_s = self.cost.verify_s(rows) + self.loop_cost(rows)
             probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
             self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_extra)
         pays, plain_s, probe_extra = self._pays[rows]
@@ -422,4 +470,4 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
 
 
 __all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "TreeGoodputPolicy", "best_cap", "best_widths", "profile_draft",
-           "profile_verify", "profile_verify_batch"]
+           "profile_loop", "profile_verify", "profile_verify_batch"]

@@ -93,7 +93,8 @@ class Run:
 class _Policies:
     """dflash2_goodput's policies (and dflash2_goodput_tree's) at `rows` rows in flight: per target
     step, drafter and verification (path, or a tree of M nodes), the verify cost (profile_verify, or
-    profile_verify_batch at more than one row) and the drafting seconds (profile_draft) measured once,
+    profile_verify_batch at more than one row), the drafting seconds (profile_draft) and the loop's own
+    seconds per round (profile_loop) measured once,
     before the first timed run; per those and the sampling setting one GoodputPolicy (TreeGoodputPolicy),
     carried from prompt to prompt as a server's would be. Its acceptance statistics (Calibrator;
     NodeRates for trees) are `calibrators`' entry for the drafter, verification and setting (what is
@@ -109,8 +110,8 @@ class _Policies:
 
     def __call__(self, tgt, drafter, setting: dict, tree_nodes: int | None = None):
         from ..confidence import Calibrator, NodeRates
-        from ..policy import (UNKNOWN_CONFIDENCE, GoodputPolicy, TreeGoodputPolicy, profile_draft, profile_verify,
-                              profile_verify_batch)
+        from ..policy import (UNKNOWN_CONFIDENCE, GoodputPolicy, TreeGoodputPolicy, profile_draft, profile_loop,
+                              profile_verify, profile_verify_batch)
         from ..target.adapter import TargetAdapter
 
         key = (id(tgt), id(drafter), tree_nodes)
@@ -121,11 +122,12 @@ class _Policies:
             cost = profile_verify(step, sizes=sizes) if self.rows == 1 else \
                 profile_verify_batch(step, self.rows, sizes=sizes)
             verify = dict(verify="tree", tree_nodes=tree_nodes) if tree_nodes else {}
-            self.costs[key] = cost, profile_draft(drafter, step, self.rows, **verify)
+            self.costs[key] = (cost, profile_draft(drafter, step, self.rows, **verify),
+                               profile_loop(drafter, step, self.rows, cost=cost))
         full = (*key, tuple(sorted(setting.items())))
         if full not in self.policies:
-            cost, draft_s = self.costs[key]
-            common = dict(padded=self.padded, draft_s={self.rows: draft_s})
+            cost, draft_s, loop_s = self.costs[key]
+            common = dict(padded=self.padded, draft_s={self.rows: draft_s}, loop_s={self.rows: loop_s})
             stats = (id(drafter), tree_nodes, full[3])
             if tree_nodes:
                 rates = self.calibrators.setdefault(stats, NodeRates(tree_nodes, UNKNOWN_CONFIDENCE))

@@ -214,28 +214,25 @@ def main() -> int:
                             "speculative decoding (`vllm_dflash1`, our exported DFlash-1) runs at about half its plain "
                             "decoding here, as ours does against the engine: see the roofline section for why a "
                             "16-token verify cannot pay at 8 rows on this CPU.")
-    lines += _bench_section("bench_regimes", "Regimes: 1, 8 and 32 rows, greedy and sampling, with the adaptive row (B = 16)",
+    lines += _bench_section("bench_regimes", "Regimes: 1, 8 and 32 rows, greedy and sampling, with the adaptive rows (B = 16)",
                             "configs/bench/regimes.yaml",
                             "Every row of ours runs the target through StaticTarget (the written-out step; in "
                             "batches over its preallocated per-row buffers), our fastest plain decoding at every "
-                            "concurrency. `dflash2_goodput` is the adaptive row: GoodputPolicy sizes each round's "
-                            "verification from the measured costs and the observed acceptance, and skips the draft "
-                            "when a plain step pays more (the table under the main one: the widths it chose, the cost "
-                            "curve it used). With 20 prompts, concurrency 32 serves all 20 at once. In this run the "
-                            "policy probes within a share of the skipped time, starts from drafting seconds profiled "
-                            "before the timed runs, and carries its acceptance calibration from table to table "
-                            "(docs/architecture.md, \"Verification policies\"); skipped rounds keep their "
-                            "features as chunks, and a round without drafts is one batched plain step. Earlier runs "
-                            "are in docs/results/bench_regimes/runs/: at 35240ac (re-joined features every round, "
-                            "probes after counts of skips) the five cells below batch 1 greedy gave 0.96×, 0.95×, "
-                            "0.94×, 0.85×, 0.75×; at 9d7523f (before the batched plain step) 0.98×, 0.98×, 0.98×, "
-                            "0.91×, 0.99×. Issue 32's acceptance: the adaptive row ≥ 1.0× our fastest plain "
-                            "decoding in all six cells, ≥ 1.3× at greedy 1 and 8 rows; this run meets ≥ 1.3× at "
-                            "greedy batch 1 (1.47×) and ≥ 1.0× at 8 rows greedy (1.00×, not 1.3×), and gives 0.98×, "
-                            "0.99×, 0.88×, 0.95× in the other cells, where it skips 92–100% of rounds. Back-to-back "
-                            "repetitions of the same plain decoding differ by a few percent on this VM; the 32-row "
-                            "greedy cell loses more than that in all three runs (not yet explained: see the closing "
-                            "note of issue 32).")
+                            "concurrency; the drafter in bfloat16 where the CPU has it natively (`_bf16`), and at "
+                            "batch 1 also with its round compiled (`_compiled`). The adaptive rows skip the draft "
+                            "when a plain step pays more and otherwise size each round's verification from the "
+                            "costs measured before the timed runs and the acceptance observed so far: "
+                            "`dflash2_goodput` cuts the walk's path (GoodputPolicy, per-position calibration), "
+                            "`dflash2_goodput_tree<M>` keeps the first n nodes of the best-first M-node tree "
+                            "(TreeGoodputPolicy, per-node-index acceptance rates); the table under the main one "
+                            "gives the widths they chose and the cost curve they used (docs/architecture.md, "
+                            "\"Verification policies\"). With 20 prompts, concurrency 32 serves all 20 at once. "
+                            "The cells below are computed from this run. Earlier runs are in "
+                            "docs/results/bench_regimes/runs/, the AVX2 VM's (35240ac, 9d7523f, 5e497d4; path policy "
+                            "only, float32 drafter) and this machine's before the policy's drafting-time window and "
+                            "the plain step in its cost model (375c537, 0e1310a: there the compiled path row skipped "
+                            "92% of batch-1 greedy rounds after a recompile measured 285 ms, and the 32-row greedy "
+                            "policies drafted where drafting loses).", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive row (all through StaticTarget) "
