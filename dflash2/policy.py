@@ -265,8 +265,9 @@ class GoodputPolicy:
     row 1 + Σ_t s̄_t, s̄ the survival of each position's observed acceptance rate; a plain step costs
     verify_s(rows) and commits one token per row. When the plain step wins, the round does not draft.
     So that the estimates can change, a skipped stretch is broken by a probe (one drafting round,
-    verified in full) once its cost above a plain step is at most `explore` × the seconds skipped
-    since the last one; each probe that confirms skipping halves that share, down to `explore_min`.
+    verified in full; after skipped rounds two, since the first also reads their features and only
+    the second times drafting alone) once its cost above plain steps is at most `explore` × the
+    seconds skipped since the last one; each probe that confirms skipping halves that share, down to `explore_min`.
     Exploration thus costs at most that share of the time (a vanishing one while skipping stays
     right), whatever the number of rows or the price of a wide pass. `draft_s` (rows → seconds, e.g.
     from `profile_draft`) counts as the first measurement at that number of rows (a prior far too
@@ -295,6 +296,8 @@ class GoodputPolicy:
         # rows → (whether drafting pays, a plain step's seconds, a probe's seconds above it), until the estimates change
         self._pays: dict[int, tuple[bool, float, float]] = {}
         self._probing = False  # this round drafts to learn: verify all of it
+        self._stale = False  # rounds were skipped since the last draft: the next one reads their features too
+        self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
 
     def _raw(self, draft: Draft) -> torch.Tensor:
@@ -341,8 +344,8 @@ class GoodputPolicy:
 
     def drafts(self, rows: int) -> bool:
         draft_s = self.draft_cost(rows)
-        if draft_s is None:  # no drafting time measured yet: draft, and measure it
-            self._probing = True
+        if draft_s is None or self._probe_again:  # no drafting time measured yet, or a probe's second round
+            self._probing, self._probe_again = True, False
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
@@ -354,23 +357,26 @@ class GoodputPolicy:
             self._skipped_s, self._share = 0.0, self.explore
             return True
         self._skipped_s += plain_s
-        if probe_extra > self._share * self._skipped_s:
+        if probe_extra * (2 if self._stale else 1) > self._share * self._skipped_s:
             self.chosen[SKIPPED] += rows
+            self._stale = True
             return False
-        # a probe: draft and verify it all once; the next may cost half the share
+        # a probe: draft and verify it all, twice (the first round also reads the skipped rounds'
+        # features, so only the second times drafting); the next may cost half the share
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
-        self._probing = True
+        self._probing, self._probe_again = True, self._stale
         return True
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         for d in drafts:
             self.check(d)
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
-        if drafted:  # a drafting round: its seconds join the window at this number of rows
+        if drafted and not self._stale:  # a drafting round's seconds join the window at its number of rows
             window = self._draft_window.setdefault(len(drafts), deque(maxlen=DRAFT_WINDOW))
             window.append(draft_s)
             self.draft_s[len(drafts)] = sorted(window)[(len(window) - 1) // 2]  # the lower median
             self._pays.clear()
+        self._stale = self._stale and not drafted
         if self._probing:  # a round drafted to learn: every position it drafted is observed
             self._probing = False
             widths = [d.tokens.shape[0] for d in drafts]

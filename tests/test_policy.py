@@ -313,9 +313,10 @@ class CountedGoodput(GoodputPolicy):
 def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_its_share():
     """A drafter whose tokens are never accepted, against a pass that costs more per token than it
     commits: after its first round the policy stops drafting, then probes once a probe's extra cost
-    (drafting 0.5 s + a 5-token pass 3.4 s - a plain step 1.0 s = 2.9 s) is at most the share (0.5,
-    halved per probe down to 0.25) of the plain seconds skipped since the last: after 6 skips, then
-    every 12; with a cheap pass and accepted drafts it always drafts."""
+    (drafting 0.5 s + a 5-token pass 3.4 s - a plain step 1.0 s = 2.9 s, twice: after skipped rounds
+    a probe drafts two rounds, the first reading the skipped features) is at most the share (0.5,
+    halved per probe down to 0.25) of the plain seconds skipped since the last: after 12 skips, then
+    after 24; with a cheap pass and accepted drafts it always drafts."""
     cost = CostModel(((1, 1.0), (2, 1.6)))
     policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5)
     blind = Draft(torch.arange(4))
@@ -325,7 +326,7 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
             policy.observe(blind, w, [])
     answers = policy.answers
     probes = [i for i, a in enumerate(answers) if a]
-    assert probes == [0, 6, 18, 30, 42], probes  # the first round measures the drafting time, then it stops
+    assert probes == [0, 12, 13, 37, 38], probes  # the first round measures the drafting time, then it stops
     assert policy.chosen == Counter({SKIPPED: 50 - len(probes), 4: len(probes)})  # each probe verified in full
     with pytest.raises(ValueError, match="explore"):
         GoodputPolicy(cost, positions=4, explore=0.01, explore_min=0.1)
@@ -362,25 +363,34 @@ def test_sampled_output_is_exact_when_rounds_skip_their_draft(skips):
     assert max_abs_diff(got, ar_distribution(params)) < EXACT
 
 
-class RecordedGoodput(GoodputPolicy):
-    """GoodputPolicy without the wall clock (each branch must choose alike), recording its widths."""
+class Recorded:
+    """A policy mixin: widths without the wall clock (each branch must choose alike), every width
+    chosen recorded in Recorded.seen."""
 
-    chosen: set = set()
+    seen: set = set()
 
     def widths(self, drafts, draft_s):
         widths = super().widths(drafts, 0.0)
-        RecordedGoodput.chosen.update(widths)
+        Recorded.seen.update(widths)
         return widths
+
+
+class RecordedGoodput(Recorded, GoodputPolicy):
+    pass
+
+
+class RecordedTreeGoodput(Recorded, TreeGoodputPolicy):
+    pass
 
 
 def test_sampled_output_is_exact_under_the_goodput_policy():
     """DSpark's confidences (computed before each token is drawn) size the widths: still exact."""
-    params, RecordedGoodput.chosen = PARAMS["T1"], set()
+    params, Recorded.seen = PARAMS["T1"], set()
     cost = CostModel(((1, 1.0), (2, 1.4), (3, 1.8)))
     got = _distribution_with(lambda: RecordedGoodput(cost, positions=2, calibrator=Calibrator(2, prior_strength=1e9)),
                              "sampled_dspark", params)
     assert max_abs_diff(got, ar_distribution(params)) < EXACT
-    assert len(RecordedGoodput.chosen) >= 2, f"the policy chose one width only ({RecordedGoodput.chosen}): hollow"
+    assert len(Recorded.seen) >= 2, f"the policy chose one width only ({Recorded.seen}): hollow"
 
 
 def test_a_policy_that_peeks_at_a_token_is_caught():
@@ -424,7 +434,7 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     wrong = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_time=0.1, draft_s={1: 100.0},
                            explore=0.5)
     sure = Draft(torch.arange(4))
-    for _ in range(400):
+    for _ in range(1000):  # a probe after skips costs two drafts: after 400 plain seconds
         if wrong.drafts(1):
             [w] = wrong.widths([sure], 0.0)
             wrong.observe(sure, w, list(range(w)))
@@ -479,27 +489,14 @@ def test_tree_greedy_output_is_the_targets_whatever_the_node_counts(script, budg
 @pytest.mark.parametrize("script", [[0], [1], [2, 0, 5]])
 @pytest.mark.parametrize("drafter_name", ["2x2", "lattice_k2"])
 def test_tree_sampled_output_is_exact_whatever_the_node_counts(script, drafter_name):
-
     params = TREE_PARAMS["T1"]
     got, _ = tree_distribution(TREE_DRAFTERS[drafter_name](), params, policy=lambda: ScriptedWidths(script, [False, True]))
     assert max_abs_diff(got, tree_ar_distribution(params)) < EXACT
 
 
-class RecordedTreeGoodput(TreeGoodputPolicy):
-    """TreeGoodputPolicy without the wall clock, recording its node counts."""
-
-    chosen_counts: set = set()
-
-    def widths(self, drafts, draft_s):
-        widths = super().widths(drafts, 0.0)
-        RecordedTreeGoodput.chosen_counts.update(widths)
-        return widths
-
-
 def test_tree_sampled_output_is_exact_under_the_tree_goodput_policy():
     """TreeGoodputPolicy, learning node rates inside each branch, sizes the trees: still exact."""
-
-    params, RecordedTreeGoodput.chosen_counts = TREE_PARAMS["T0.7_topk2"], set()
+    params, Recorded.seen = TREE_PARAMS["T0.7_topk2"], set()
     cost = CostModel(((1, 1.0), (2, 1.3), (9, 3.4)))
 
     def policy():  # a prior that makes the early counts depend on what was observed
@@ -507,7 +504,7 @@ def test_tree_sampled_output_is_exact_under_the_tree_goodput_policy():
 
     got, _ = tree_distribution(TREE_DRAFTERS["lattice_k2"](), params, policy=policy)
     assert max_abs_diff(got, tree_ar_distribution(params)) < EXACT
-    assert len(RecordedTreeGoodput.chosen_counts) >= 2, f"one node count only ({RecordedTreeGoodput.chosen_counts})"
+    assert len(Recorded.seen) >= 2, f"one node count only ({Recorded.seen})"
 
 
 def test_tree_goodput_verifies_the_nodes_that_pay():
@@ -528,7 +525,7 @@ def test_tree_goodput_verifies_the_nodes_that_pay():
     policy.cost = CostModel(((1, 1.0), (2, 3.0)))
     assert policy.widths([tree], 0.0) == [0]
     many = TreeGoodputPolicy(CostModel(((1, 1.0), (2, 1.05))), 6, rates=policy.rates, padded=True)
-    assert many.widths([tree, tree.truncate(2)], 0.0) == [3, 2]  # 2 × 4 tokens: node 3 pays for one row only
+    assert many.widths([tree, tree.truncate(2)], 0.0) == [3, 2]  # one cap of 3 nodes; the second tree has 2
     with pytest.raises(ValueError, match="distinct accepted nodes"):
         policy.observe(tree, 2, [0, 2])
     with pytest.raises(ValueError, match="NodeRates of as many nodes"):
@@ -559,3 +556,18 @@ def test_profile_loop_measures_a_plain_step_and_leaves_no_trace():
     prompt = [3, 1, 4, 1, 5]
     out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=8)
     assert out.sequences[0].tolist() == hf_greedy(target, prompt, 8)
+
+
+def test_a_draft_after_skipped_rounds_does_not_set_the_drafting_time():
+    """The first draft after skipped rounds also reads their target features: its seconds (here 100×
+    the rest) are not the drafting time, and the probe's second round measures it instead."""
+    policy = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_s={1: 50.0}, explore=1.0)
+    sure, times = Draft(torch.arange(4)), []
+    for _ in range(200):
+        if policy.drafts(1):
+            seconds = 10.0 if policy.answers[-2:-1] == [False] else 0.1  # after a skip: the backlog is read
+            times.append(seconds)
+            [w] = GoodputPolicy.widths(policy, [sure], seconds)
+            policy.observe(sure, w, list(range(w)))
+    assert not policy.answers[0] and 10.0 in times and policy.draft_s == {1: pytest.approx(0.1)}
+    assert all(policy.answers[-50:])  # drafting again, at the drafting time measured without the backlog
