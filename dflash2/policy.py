@@ -101,8 +101,8 @@ class CostModel:
 def profile_verify(target, sizes: tuple[int, ...] = (0, 1, 2, 4, 8, 16), context: int = 256,
                    repeats: int = 3) -> CostModel:
     """The verify cost of a target on this machine: a scratch cache prefilled with `context` tokens,
-    then target passes over 1 + n tokens (n in sizes, the drafted tokens; 0: a plain step), each rolled back; best of
-    `repeats` (a second or two for a small target). target: a TargetAdapter or StaticTarget (or an
+    then target passes over 1 + n tokens (n in sizes, the drafted tokens; 0: a plain step), each
+    rolled back; best of `repeats` (a second or two for a small target). target: a TargetAdapter or StaticTarget (or an
     HF causal LM, wrapped)."""
     from .target.adapter import TargetAdapter
 
@@ -158,9 +158,9 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
     `context` tokens decoded for `rounds` + 1 rounds (spec_generate at one row, spec_generate_batch
     at more), twice (the first run compiles what a compiled drafter compiles), the fastest round of
     the second run after its first (which also reads the whole prompt's features). A prior for
-    GoodputPolicy(draft_s=...), so that its first round need not draft to learn it; the policy's
-    first measured round at that number of rows replaces it. verify="tree": a tree of `tree_nodes`
-    nodes per row (TreeGoodputPolicy's drafting)."""
+    GoodputPolicy(draft_s=...), so that its first round need not draft to learn it (the policy counts
+    it as its first measurement at that number of rows). verify="tree": a tree of `tree_nodes` nodes
+    per row (TreeGoodputPolicy's drafting)."""
     from .batch import spec_generate_batch
     from .checks import adapt_target
     from .loop import spec_generate
@@ -267,8 +267,8 @@ class GoodputPolicy:
     So that the estimates can change, a skipped stretch is broken by a probe (one drafting round,
     verified in full; after skipped rounds two, since the first also reads their features and only
     the second times drafting alone) once its cost above plain steps is at most `explore` × the
-    seconds skipped since the last one; each probe that confirms skipping halves that share, down to `explore_min`.
-    Exploration thus costs at most that share of the time (a vanishing one while skipping stays
+    seconds skipped since the last one; each probe that confirms skipping halves that share, down to
+    `explore_min`. Exploration thus costs at most that share of the time (a vanishing one while skipping stays
     right), whatever the number of rows or the price of a wide pass. `draft_s` (rows → seconds, e.g.
     from `profile_draft`) counts as the first measurement at that number of rows (a prior far too
     high gives way to the first round measured lower; measured rounds push it out of the window);

@@ -229,21 +229,23 @@ def main() -> int:
                             "\"Verification policies\"). With 20 prompts, concurrency 32 serves all 20 at once. "
                             "The cells below are computed from this run. Earlier runs are in "
                             "docs/results/bench_regimes/runs/, the AVX2 VM's (35240ac, 9d7523f, 5e497d4; path policy "
-                            "only, float32 drafter) and this machine's before the policy's drafting-time window and "
-                            "the plain step in its cost model (375c537, 0e1310a: there the compiled path row skipped "
-                            "92% of batch-1 greedy rounds after a recompile measured 285 ms, and the 32-row greedy "
-                            "policies drafted where drafting loses).", cells=True)
+                            "only, float32 drafter), and this machine's before each fix to how the policy prices a "
+                            "round (375c537, 0e1310a: one recompile timed first kept the compiled path row skipping "
+                            "92% of batch-1 greedy rounds, and a plain step priced at a 2-token pass let the 32-row "
+                            "greedy policies draft where drafting loses; 519a53a: a plain step priced at its bare "
+                            "pass, without the loop's own time; 395b10e: probes after skipped rounds timed with "
+                            "their features' backlog, which kept the batch-1 path rows skipping).", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
-                            "Our plain decoding, the 15-node tree and the adaptive row (all through StaticTarget) "
-                            "with vLLM's CPU build's plain decoding on the same prompts in the same run, float32 and "
-                            "bfloat16 (the engine's rows after each repetition of ours). This run is at 5e497d4 (its "
-                            "\"+changes\": documentation and this report). Issue 32 asks, against vLLM's faster plain "
-                            "decoding: the adaptive row ≥ 2.0× at batch 1 greedy (here 1.27×; the 15-node tree "
-                            "1.52×), our batched plain decoding ≥ 0.9× at 8 rows (here 0.90×; 1.01× in the 12:53 run), "
-                            "the adaptive row ≥ 1.2× at 8 rows greedy (here 0.99×). Earlier runs in "
-                            "docs/results/bench_regimes_vllm/runs/ (the 12:53 one with a drafting-time prior far too "
-                            "high at batch 1, which kept the adaptive row skipping there: fixed since).", vllm=True)
+                            "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, the "
+                            "drafter as in the regimes run) with vLLM's CPU build's plain decoding on the same prompts "
+                            "in the same run, float32 and bfloat16 (the engine's rows after each repetition of ours). "
+                            "Issue 32 asks, against vLLM's faster plain decoding: the adaptive row ≥ 2.0× at batch 1 "
+                            "greedy, our batched plain decoding ≥ 0.9× at 8 rows, the adaptive row ≥ 1.2× at 8 rows "
+                            "greedy; the cells below are computed from this run. Earlier runs in "
+                            "docs/results/bench_regimes_vllm/runs/ are the AVX2 VM's, whose CPU has no native "
+                            "bfloat16 (vLLM's bfloat16 rows were slower there than its float32 ones).",
+                            vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
                             "The model cards' suites in z-lab/dflash's format through the target's chat template "
