@@ -105,7 +105,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
     `rng` overrides `generator` (tests inject a source that enumerates every random branch).
     `on_commit(tokens, n_drafted)` is called as tokens are committed (streaming): the first
     `n_drafted` of them are accepted draft tokens, the rest come from the target itself.
-    `policy` (path drafts): how many of each round's drafted tokens to verify (dflash2.policy);
+    `policy`: how many of each round's drafted tokens (tree nodes) to verify (dflash2.policy);
     None verifies them all.
     """
     params = SamplingParams(temperature, top_k, top_p)
