@@ -45,7 +45,8 @@ class VerifyPolicy(Protocol):
     """Sizes verification (path drafts and token trees). drafts: before a round, with `rows` rows in
     flight, whether to draft at all (False: a plain decoding step for every row; the drafter reads the
     skipped tokens' target features at its next round; neither widths nor observe is called for such a
-    round). widths: each row's draft and the round's drafting seconds so far → how many of its tokens
+    round). widths: each row's draft and the round's drafting seconds so far (None for a generation's
+    first drafting round, which also reads the prompt's features) → how many of its tokens
     (a tree: nodes) to verify, 0..len; the loop truncates a path to its first tokens, a tree to its
     first nodes. observe: after verification, the draft as drafted, the number verified and the
     indices of those accepted (a path: 0..a-1; a tree: the accepted nodes from the anchor down), for
@@ -59,7 +60,7 @@ class VerifyPolicy(Protocol):
 
     def drafts(self, rows: int) -> bool: ...
 
-    def widths(self, drafts: list[Draft | TokenTree], draft_s: float) -> list[int]: ...
+    def widths(self, drafts: list[Draft | TokenTree], draft_s: float | None) -> list[int]: ...
 
     def observe(self, draft: Draft | TokenTree, verified: int, accepted: list[int]) -> None: ...
 

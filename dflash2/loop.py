@@ -130,6 +130,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         pending = Backlog(step.features)  # target features the drafter has not read yet
         none = torch.zeros(0, dtype=torch.long, device=tgt.device)
         empty = TokenTree(none, none) if verify == "tree" else Draft(none)  # a round the policy does not draft
+        first = True  # no round has drafted yet
         if on_commit:
             on_commit([anchor], 0)
         sync()
@@ -147,7 +148,9 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             sync()
             t1 = time.perf_counter()
             if not skip:
-                [draft] = apply_policy(policy, [drafted], t1 - t0)  # the tokens to verify: a prefix of the draft
+                # the tokens to verify, a prefix of the draft (the first round's drafting also read the prompt)
+                [draft] = apply_policy(policy, [drafted], None if first else t1 - t0)
+                first = False
             if verify == "tree":
                 step = tgt.forward_tree(anchor, draft, cache)  # logits [1, M+1, V], M nodes
             else:

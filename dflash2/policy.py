@@ -167,18 +167,19 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
 
     tgt = adapt_target(drafter, target)
     ids = torch.randint(0, tgt.vocab_size, (rows, context), generator=torch.Generator().manual_seed(0))
+    budget = rounds + 2 + drafter.block_size  # a first round that commits a whole block leaves a timed round
     for _ in range(2):
         timer = _DraftTimer()
         with torch.no_grad():
             if rows == 1:
-                spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer,
-                              verify=verify, tree_nodes=tree_nodes)
+                spec_generate(drafter, tgt, ids.to(tgt.device), max_new_tokens=budget, policy=timer, verify=verify,
+                              tree_nodes=tree_nodes)
             else:
-                spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=rounds + 2, policy=timer,
+                spec_generate_batch(drafter, tgt, ids.to(tgt.device), max_new_tokens=budget, policy=timer,
                                     verify=verify, tree_nodes=tree_nodes)
     if not timer.seconds:
         raise ValueError("profile_draft: the drafter drafted nothing (block_size 1, or an autoregressive drafter)")
-    return min(timer.seconds[1:] or timer.seconds)
+    return min(timer.seconds)
 
 
 def _by_rows(table: dict[int, float], rows: int) -> float | None:
@@ -246,7 +247,7 @@ class _DraftTimer(FixedWidth):
         self.seconds: list[float] = []
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
-        if any(d.tokens.shape[0] for d in drafts):
+        if any(d.tokens.shape[0] for d in drafts) and draft_s is not None:
             self.seconds.append(draft_s)
         return super().widths(drafts, draft_s)
 
@@ -367,11 +368,13 @@ class GoodputPolicy:
         self._probing, self._probe_again = True, self._stale
         return True
 
-    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+    def widths(self, drafts: list[Draft], draft_s: float | None) -> list[int]:
         for d in drafts:
             self.check(d)
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
-        if drafted and not self._stale:  # a drafting round's seconds join the window at its number of rows
+        timed = draft_s is not None  # (None: the round's drafting also read a prompt's features)
+        draft_s = draft_s if timed else self.draft_cost(len(drafts)) or 0.0
+        if drafted and timed and not self._stale:  # a drafting round's seconds join the window at its number of rows
             window = self._draft_window.setdefault(len(drafts), deque(maxlen=DRAFT_WINDOW))
             window.append(draft_s)
             self.draft_s[len(drafts)] = sorted(window)[(len(window) - 1) // 2]  # the lower median

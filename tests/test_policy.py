@@ -571,3 +571,20 @@ def test_a_draft_after_skipped_rounds_does_not_set_the_drafting_time():
             policy.observe(sure, w, list(range(w)))
     assert not policy.answers[0] and 10.0 in times and policy.draft_s == {1: pytest.approx(0.1)}
     assert all(policy.answers[-50:])  # drafting again, at the drafting time measured without the backlog
+
+
+def test_a_generations_first_draft_is_not_timed():
+    """The first drafting round of spec_generate also reads the prompt's features: the policy gets no
+    drafting time for it (None), and the rounds after it theirs."""
+    class Times(ScriptedWidths):
+        def widths(self, drafts, draft_s):
+            self.times = [*getattr(self, "times", []), draft_s]
+            return super().widths(drafts, 0.0)
+
+    target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4, selector="walk")
+    policy = Times([1], [True, False])  # the first round skips: the first draft comes after it
+    spec_generate(drafter, target, torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=12, policy=policy)
+    assert policy.times[0] is None and len(policy.times) >= 2 and all(t > 0 for t in policy.times[1:])
+    timed = GoodputPolicy(CostModel(((1, 1.0),)), 3, draft_s={1: 0.5})
+    timed.widths([Draft(torch.arange(3))], None)
+    assert timed.draft_s == {1: 0.5}  # an untimed round leaves the drafting time as it was
