@@ -234,7 +234,12 @@ def main() -> int:
                             "92% of batch-1 greedy rounds, and a plain step priced at a 2-token pass let the 32-row "
                             "greedy policies draft where drafting loses; 519a53a: a plain step priced at its bare "
                             "pass, without the loop's own time; 395b10e: probes after skipped rounds timed with "
-                            "their features' backlog, which kept the batch-1 path rows skipping).", cells=True)
+                            "their features' backlog, which kept the batch-1 path rows skipping). In this run the uncompiled "
+                            "adaptive rows at batch 1 greedy still skip most rounds: each prompt's first drafting "
+                            "round, which also reads the prompt, was timed as drafting. Since 0678f06 it is not; a "
+                            "batch-1 greedy check after that fix (one repetition, uncompiled rows; runs/, \"_batch1_greedy\") "
+                            "has the path row drafting at 1.21× and the 15-node tree row at 1.47× our plain "
+                            "decoding.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, the "
