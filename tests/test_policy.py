@@ -199,15 +199,21 @@ def test_policies_are_checked():
        prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6),
        skips=st.lists(st.booleans(), min_size=1, max_size=4))
 def test_greedy_output_is_the_targets_whatever_the_widths(script, budget, prompt, skips):
+    _check_greedy_under_scripted_widths(script, budget, prompt, skips, most=4)
+
+
+def _check_greedy_under_scripted_widths(script, budget, prompt, skips, most, **verify):
+    """Greedy output equals the target's, at batch 1 and batched, with ScriptedWidths sizing every round
+    (`most`: the longest draft, so a round commits at most min(max(script), most) + 1 tokens)."""
     target = tiny_target("qwen3")
     drafter = tiny_drafter("qwen3", 5, selector="walk")
     want = hf_greedy(target, prompt, budget)
     policy = ScriptedWidths(script, skips)
-    out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy)
+    out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy, **verify)
     assert out.sequences[0].tolist() == want
-    assert all(n <= min(max(script), 4) + 1 for n in out.acceptance_lengths)  # the widths were applied
+    assert all(n <= min(max(script), most) + 1 for n in out.acceptance_lengths)  # the widths were applied
     batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=budget,
-                                policy=ScriptedWidths(script, skips))
+                                policy=ScriptedWidths(script, skips), **verify)
     assert [r.sequences[0].tolist() for r in batch] == [want, hf_greedy(target, prompt[::-1], budget)]
 
 
@@ -473,17 +479,7 @@ def test_a_truncated_tree_verifies_its_nodes_as_the_whole_tree_does(seed, nodes,
        prompt=st.lists(st.integers(0, MASK - 1), min_size=1, max_size=6),
        skips=st.lists(st.booleans(), min_size=1, max_size=3))
 def test_tree_greedy_output_is_the_targets_whatever_the_node_counts(script, budget, prompt, skips):
-    target = tiny_target("qwen3")
-    drafter = tiny_drafter("qwen3", 5, selector="walk")
-    want = hf_greedy(target, prompt, budget)
-    policy = ScriptedWidths(script, skips)
-    out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=budget, policy=policy, verify="tree",
-                        tree_nodes=7)
-    assert out.sequences[0].tolist() == want
-    assert all(n <= min(max(script), 7) + 1 for n in out.acceptance_lengths)  # the node counts were applied
-    batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt[::-1]]), max_new_tokens=budget,
-                                policy=ScriptedWidths(script, skips), verify="tree", tree_nodes=7)
-    assert [r.sequences[0].tolist() for r in batch] == [want, hf_greedy(target, prompt[::-1], budget)]
+    _check_greedy_under_scripted_widths(script, budget, prompt, skips, most=7, verify="tree", tree_nodes=7)
 
 
 @pytest.mark.parametrize("script", [[0], [1], [2, 0, 5]])
