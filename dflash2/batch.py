@@ -188,7 +188,7 @@ def _verify_and_commit(rows: _Rows, drafts: list, tgt: TargetAdapter, params: Sa
     accepted = []
     for i, (r, d, t) in enumerate(zip(alive, drafts, trees)):
         outcome = decide(d, step.logits[i, : t.tokens.shape[0] + 1], params, rng, rows.left(r), stops)
-        accepted.append([i - 1 for i in outcome.kept[1:]])
+        accepted.append([slot - 1 for slot in outcome.kept[1:]])  # block slot s holds draft node s - 1
         rows.tokens[r] += outcome.committed
         rows.lengths[r].append(len(outcome.committed))
         kept[i, outcome.kept] = True

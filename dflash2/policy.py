@@ -37,6 +37,7 @@ machine it runs on, in a second or two, for a batch-1 target.
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter, deque
 from dataclasses import dataclass
 from typing import Callable
@@ -53,6 +54,7 @@ from .verify import Draft
 UNKNOWN_CONFIDENCE = 0.9
 SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
+ROUND_WINDOW = 9  # rounds per kind (plain, drafting) and number of rows whose lower median residual it adds
 
 
 @dataclass(frozen=True)
@@ -277,13 +279,26 @@ class GoodputPolicy:
     measured yet is estimated from the others (`draft_cost`), so that a draining batch does not probe
     at every size. `loop_s` (rows → seconds, from `profile_loop`): what the loop spends in a round
     outside the target pass and the drafting, added to a plain step and to a drafting round alike
-    (without it a plain step looks cheaper against drafting than it is)."""
+    (without it a plain step looks cheaper against drafting than it is).
+
+    Measured rounds (`clock`, by default time.perf_counter): the model above prices a round from parts
+    profiled apart, and misses what it does not model (a tree's masks, per-row verification and
+    bookkeeping at many rows, a machine slower than at warm-up). So the policy also times every round
+    itself, from one drafts() call to the next (the loop calls it once per round), and keeps per kind
+    (plain step, drafting round) and number of rows the lower median of the last ROUND_WINDOW
+    residuals, measured minus modelled seconds (`residual`); a plain step's residual is added to every
+    plain step, a drafting round's to every drafting round (a plain step's until a drafting round is
+    measured). Rounds whose drafting is not timed (a
+    generation's first, the first after skipped rounds) are not residuals; a gap that also holds a
+    prefill or the caller's own work between generations is an outlier the median drops. clock=None:
+    the model alone (what the tests of its arithmetic use)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, explore: float = 0.05, explore_min: float = 0.002,
-                 draft_s: dict[int, float] | None = None, loop_s: dict[int, float] | None = None) -> None:
+                 draft_s: dict[int, float] | None = None, loop_s: dict[int, float] | None = None,
+                 clock: Callable[[], float] | None = time.perf_counter) -> None:
         if not 0 < explore_min <= explore <= 1:
             raise ValueError(f"GoodputPolicy needs 0 < explore_min <= explore <= 1, got {explore_min}, {explore}")
         self.cost, self.padded, self.positions = cost, padded, positions
@@ -300,6 +315,11 @@ class GoodputPolicy:
         self._stale = False  # rounds were skipped since the last draft: the next one reads their features too
         self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
+        self.clock = clock
+        # kind ("plain", "draft") → rows → the last residuals (measured − modelled seconds of a round), and their lower median
+        self._residuals: dict[str, dict[int, deque]] = {"plain": {}, "draft": {}}
+        self.residuals: dict[str, dict[int, float]] = {"plain": {}, "draft": {}}
+        self._round: list | None = None  # the round in flight: [kind, rows, modelled seconds (None: not a sample), start]
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -322,7 +342,7 @@ class GoodputPolicy:
         """The widths for these curves (a row's expected accepted tokens at each width: the sum of its
         first `width` values) and their expected committed tokens per second."""
         rows = len(curves)
-        fixed = draft_s + self.loop_cost(rows)
+        fixed = draft_s + self.loop_cost(rows) + self.residual("draft", rows)
         if self.padded or self.capped:
             widths = best_cap(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
             tokens = rows * (max(widths, default=0) + 1)
@@ -337,6 +357,37 @@ class GoodputPolicy:
         (choosing tokens, the cache's bookkeeping): from `loop_s`, read like draft_cost; 0 without it."""
         return _by_rows(self.loop_s, rows) or 0.0
 
+    def residual(self, kind: str, rows: int) -> float:
+        """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured
+        (the lower median of the last ROUND_WINDOW; read like draft_cost); a drafting round's is a plain
+        step's until one is measured (what the model misses in a plain step it misses in a drafting
+        round too); 0 before any or without a clock."""
+        table = self.residuals[kind] or (self.residuals["plain"] if kind == "draft" else {})
+        return _by_rows(table, rows) or 0.0
+
+    def plain_cost(self, rows: int) -> float:
+        """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
+        return self.cost.verify_s(rows) + self.loop_cost(rows) + self.residual("plain", rows)
+
+    def _time_round(self, kind: str | None, rows: int, modelled: float | None) -> None:
+        """Close the round in flight (its residual joins the window of its kind and rows when it is a
+        sample) and start the next one (kind None: none)."""
+        if self.clock is None:
+            return
+        now = self.clock()
+        if self._round is not None and self._round[2] is not None:
+            done, r, expected, start = self._round
+            window = self._residuals[done].setdefault(r, deque(maxlen=ROUND_WINDOW))
+            window.append(now - start - expected)
+            median = sorted(window)[(len(window) - 1) // 2]
+            before = self.residuals[done].get(r)
+            self.residuals[done][r] = median
+            # the estimates change: whether drafting pays is judged again (not for a plain step's
+            # residual that moved by less than a twentieth of the step, so that not every round re-judges)
+            if done == "draft" or before is None or abs(median - before) > 0.05 * max(expected, 1e-12):
+                self._pays.clear()
+        self._round = None if kind is None else [kind, rows, modelled, now]
+
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
         at the next larger number measured (drafting fewer rows costs no more), else the largest
@@ -344,15 +395,24 @@ class GoodputPolicy:
         return _by_rows(self.draft_s, rows)
 
     def drafts(self, rows: int) -> bool:
+        self._time_round(None, rows, None)  # the round before this one ends here
+        drafting = self._drafts(rows)
+        # a drafting round's model is known once its widths are (widths()); a plain step's now
+        modelled = None if drafting else self.cost.verify_s(rows) + self.loop_cost(rows)
+        self._time_round("draft" if drafting else "plain", rows, modelled)
+        return drafting
+
+    def _drafts(self, rows: int) -> bool:
         draft_s = self.draft_cost(rows)
         if draft_s is None or self._probe_again:  # no drafting time measured yet, or a probe's second round
             self._probing, self._probe_again = True, False
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
-            plain_s = self.cost.verify_s(rows) + self.loop_cost(rows)
-            probe_extra = draft_s + self.cost.verify_s(rows * (self.positions + 1)) - plain_s
-            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_extra)
+            plain_s = self.plain_cost(rows)
+            probe_s = draft_s + self.loop_cost(rows) + self.residual("draft", rows) + \
+                self.cost.verify_s(rows * (self.positions + 1))
+            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_s - plain_s)
         pays, plain_s, probe_extra = self._pays[rows]
         if pays:
             self._skipped_s, self._share = 0.0, self.explore
@@ -374,7 +434,8 @@ class GoodputPolicy:
         drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
         timed = draft_s is not None  # (None: the round's drafting also read a prompt's features)
         draft_s = draft_s if timed else self.draft_cost(len(drafts)) or 0.0
-        if drafted and timed and not self._stale:  # a drafting round's seconds join the window at its number of rows
+        sample = drafted and timed and not self._stale  # a drafting round timed alone
+        if sample:  # its seconds join the window at its number of rows
             window = self._draft_window.setdefault(len(drafts), deque(maxlen=DRAFT_WINDOW))
             window.append(draft_s)
             self.draft_s[len(drafts)] = sorted(window)[(len(window) - 1) // 2]  # the lower median
@@ -387,6 +448,10 @@ class GoodputPolicy:
             widths = self._round_rate([self.curve(d) if d.tokens.shape[0] else [] for d in drafts], draft_s)[0]
         if drafted:
             self.chosen.update(widths)
+        if self._round is not None and self._round[0] == "draft":  # the round's model, when it is a sample
+            rows = len(drafts)
+            tokens = rows * (max(widths, default=0) + 1) if self.padded or self.capped else rows + sum(widths)
+            self._round[2] = draft_s + self.loop_cost(rows) + self.cost.verify_s(tokens) if sample else None
         return widths
 
     def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:

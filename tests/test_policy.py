@@ -305,7 +305,7 @@ class CountedGoodput(GoodputPolicy):
     """GoodputPolicy with a fixed drafting time (no wall clock): records its drafts() answers."""
 
     def __init__(self, *args, draft_time=0.0, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{"clock": None, **kwargs})  # the model alone, unless a test gives a clock
         self.draft_time, self.answers = draft_time, []
 
     def drafts(self, rows):
@@ -433,7 +433,7 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     for _ in range(50):
         failed.observe(torch.full((3,), UNKNOWN_CONFIDENCE), 3, 0)
     dear = CostModel(((1, 1.0), (2, 1.9)))
-    informed = GoodputPolicy(dear, positions=3, calibrator=failed, draft_s={1: one})
+    informed = GoodputPolicy(dear, positions=3, calibrator=failed, draft_s={1: one}, clock=None)
     assert [informed.drafts(1) for _ in range(5)] == [False] * 5
     assert GoodputPolicy(dear, positions=3, calibrator=failed).drafts(1)  # nothing measured: a probe
     # a prior far above the truth: skipped until a probe measures the drafting, which replaces it
@@ -539,6 +539,56 @@ def test_the_loops_own_time_counts_in_a_plain_step_and_a_drafting_round_alike():
     slow_loop = policy(loop_s={1: 3.0})
     assert slow_loop.drafts(1) and slow_loop.widths([Draft(torch.arange(4))], 0.5) == [4]
     assert slow_loop.loop_cost(1) == 3.0 and slow_loop.loop_cost(2) == 6.0 and policy().loop_cost(3) == 0.0
+
+
+def _run_rounds(policy, rounds: int, plain_s: float, draft_s, clock: list[float]) -> None:
+    """The loop's protocol against a fake clock: a plain step takes plain_s, a drafting round that
+    verifies w tokens draft_s(w) (its drafting 0.1 s of it); every drafted token is accepted."""
+    sure = Draft(torch.arange(4))
+    for _ in range(rounds):
+        if policy.drafts(1):
+            [w] = GoodputPolicy.widths(policy, [sure], 0.1)
+            policy.observe(sure, w, list(range(w)))
+            clock[0] += draft_s(w)
+        else:
+            clock[0] += plain_s
+
+
+def test_measured_rounds_correct_what_the_model_misses():
+    """The model says drafting pays (5 tokens in 0.1 + 1.2 s against 1 in 1 s) but a drafting round
+    takes 20 s on this machine: after one round the policy has measured it (a residual of 18.7 s) and
+    stops drafting; without a clock it drafts on. The other way round: the model says a plain step
+    pays (a pass dear per token), but every round spends 2 s the model does not know of, which makes
+    drafting pay (5 tokens in 8.1 s against 1 in 3 s): after one plain step it drafts, and verifies
+    every token (the plain step's residual counts in a drafting round until one is measured)."""
+    cost = CostModel(((1, 1.0), (5, 1.2)))
+    clock = [0.0]
+    timed = CountedGoodput(cost, positions=4, draft_s={1: 0.1}, clock=lambda: clock[0])
+    _run_rounds(timed, 40, plain_s=1.0, draft_s=lambda w: 20.0, clock=clock)
+    assert timed.answers[0] and not any(timed.answers[1:])
+    assert timed.residual("draft", 1) == pytest.approx(18.7) and timed.residual("plain", 1) == pytest.approx(0.0)
+    blind = CountedGoodput(cost, positions=4, draft_s={1: 0.1})
+    _run_rounds(blind, 40, plain_s=1.0, draft_s=lambda w: 20.0, clock=clock)
+    assert all(blind.answers)
+
+    dear = CostModel(((1, 1.0), (5, 6.0)))
+    unseen = CountedGoodput(dear, positions=4, draft_s={1: 0.5}, clock=lambda: clock[0])
+    _run_rounds(unseen, 40, plain_s=3.0, draft_s=lambda w: 2.0 + 0.1 + dear.verify_s(1 + w), clock=clock)
+    assert unseen.answers[:2] == [False, True] and all(unseen.answers[2:]) and unseen.chosen[4] == 39
+    assert unseen.residual("plain", 1) == pytest.approx(2.0) and unseen.residual("draft", 1) == pytest.approx(2.0)
+    assert not CountedGoodput(dear, positions=4, draft_s={1: 0.5}).drafts(1)
+
+
+def test_a_round_slowed_by_something_else_is_an_outlier():
+    """Plain steps of 1 s with one of 100 s among them (a prefill, the caller's work between
+    generations): the residual stays 0 and whether drafting pays does not change."""
+    cost = CostModel(((1, 1.0), (5, 6.0)))
+    clock = [0.0]
+    policy = CountedGoodput(cost, positions=4, draft_s={1: 0.5}, clock=lambda: clock[0])
+    for k in range(30):
+        policy.drafts(1)
+        clock[0] += 100.0 if k == 3 else 1.0
+    assert policy.residual("plain", 1) == pytest.approx(0.0) and not any(policy.answers)
 
 
 def test_profile_loop_measures_a_plain_step_and_leaves_no_trace():

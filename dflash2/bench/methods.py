@@ -77,6 +77,7 @@ class Run:
     outputs: list[list[int]] = field(default_factory=list)  # the generated ids of each row
     widths: dict[int, int] | None = None  # an adaptive row: row-rounds per verified width (-1: not drafted)
     cost: list[tuple[int, float]] | None = None  # and its policy's cost curve (tokens in a pass, seconds)
+    residuals: dict[str, float] | None = None  # and its measured residuals after the run (plain, draft → seconds)
 
     def __add__(self, other: Run) -> Run:
         """Two turns of one conversation (or set) as one run: tokens, seconds and rounds add up."""
@@ -87,7 +88,7 @@ class Run:
         widths = None if self.widths is None and other.widths is None else \
             dict(Counter(self.widths or {}) + Counter(other.widths or {}))
         return Run(self.new_tokens + other.new_tokens, self.seconds + other.seconds, acc, parts,
-                   self.outputs + other.outputs, widths, self.cost or other.cost)
+                   self.outputs + other.outputs, widths, self.cost or other.cost, other.residuals or self.residuals)
 
 
 class _Policies:
@@ -138,6 +139,13 @@ class _Policies:
         return self.policies[full]
 
 
+def _residuals(policy) -> dict[str, float] | None:
+    """An adaptive row's measured residuals (GoodputPolicy.residuals) at the most rows measured, per kind."""
+    if policy is None:
+        return None
+    return {kind: table[max(table)] for kind, table in policy.residuals.items() if table}
+
+
 def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
     """The policy's row-rounds per width since `before` (a copy of policy.chosen taken before the run)."""
     return dict(policy.chosen - before) if before is not None else None
@@ -175,7 +183,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
             return Run(out.new_tokens.numel(), out.total_s, None if drafter is None else out.acceptance_lengths,
                        dict(prefill=out.prefill_s, draft=out.draft_s, verify=out.verify_s, other=other),
                        [out.new_tokens.tolist()], _chosen(kw.get("policy"), before),
-                       None if before is None else list(kw["policy"].cost.points))
+                       None if before is None else list(kw["policy"].cost.points), _residuals(kw.get("policy")))
         return run
 
     def hf(**extra):
@@ -291,7 +299,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             return Run(sum(r.new_tokens.numel() for r in outs), o.total_s, None if drafter is None else rounds,
                        dict(prefill=o.prefill_s, draft=o.draft_s, verify=o.verify_s, other=other),
                        [r.new_tokens.tolist() for r in outs], _chosen(kw.get("policy"), before),
-                       None if before is None else list(kw["policy"].cost.points))
+                       None if before is None else list(kw["policy"].cost.points), _residuals(kw.get("policy")))
         return run
 
     methods: dict[Method, Callable] = {}

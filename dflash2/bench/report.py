@@ -81,6 +81,9 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
             curve = next((r.cost for _, _, r in items if r.cost), None)
             if curve:
                 row["cost_curve_ms"] = [[n, 1e3 * sec] for n, sec in curve]
+            residuals = next((r.residuals for _, _, r in reversed(items) if r.residuals), None)
+            if residuals:
+                row["residual_ms"] = {kind: 1e3 * sec for kind, sec in residuals.items()}
         parts = [r.breakdown for _, _, r in items if r.breakdown]
         if parts and lengths:
             rounds = len(lengths)
@@ -165,12 +168,16 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
     if adaptive:
         lines += ["", "What the adaptive rows chose: the share of row-rounds verified at each width (skip: rounds "
                   "it did not draft, a plain step), and the cost curve its policy used (tokens in a target pass → "
-                  "ms, measured at warm-up on this machine).", "",
-                  "| concurrency | setting | method | widths (share of row-rounds) | cost curve |", "|---|---|---|---|---|"]
+                  "ms, measured at warm-up on this machine), and the residuals it measured by the end of the run: "
+                  "what a plain step and a drafting round took beyond that model, in ms.", "",
+                  "| concurrency | setting | method | widths (share of row-rounds) | cost curve | residual: plain, drafting |",
+                  "|---|---|---|---|---|---|"]
         for r in adaptive:
             widths = ", ".join(f"{w} {share:.0%}" for w, share in r["width_histogram"].items() if share >= 0.005)
             curve = ", ".join(f"{n} → {ms:.1f}" for n, ms in r.get("cost_curve_ms", []))
-            lines.append(f"| {r['concurrency']} | {r['setting']} | {r['method']} | {widths} | {curve} |")
+            res = r.get("residual_ms", {})
+            residual = ", ".join(fmt(res.get(kind), "+.1f", "") for kind in ("plain", "draft"))
+            lines.append(f"| {r['concurrency']} | {r['setting']} | {r['method']} | {widths} | {curve} | {residual} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
 
