@@ -54,7 +54,8 @@ from .verify import Draft
 UNKNOWN_CONFIDENCE = 0.9
 SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
-ROUND_WINDOW = 9  # rounds per kind (plain, drafting) and number of rows whose lower median residual it adds
+ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
+ROUND_SAMPLES = 4  # rounds of a kind and number of rows measured before their residual counts
 
 
 @dataclass(frozen=True)
@@ -285,12 +286,13 @@ class GoodputPolicy:
     profiled apart, and misses what it does not model (a tree's masks, per-row verification and
     bookkeeping at many rows, a machine slower than at warm-up). So the policy also times every round
     itself, from one drafts() call to the next (the loop calls it once per round), and keeps per kind
-    (plain step, drafting round) and number of rows the lower median of the last ROUND_WINDOW
-    residuals, measured minus modelled seconds (`residual`); a plain step's residual is added to every
-    plain step, a drafting round's to every drafting round (a plain step's until a drafting round is
-    measured). Rounds whose drafting is not timed (a
-    generation's first, the first after skipped rounds) are not residuals; a gap that also holds a
-    prefill or the caller's own work between generations is an outlier the median drops. clock=None:
+    (plain step, drafting round) and number of rows the lower quartile of the last ROUND_WINDOW
+    residuals, measured minus modelled seconds (`residual`), once ROUND_SAMPLES are in; a plain step's
+    residual is added to every plain step, a drafting round's to every drafting round (a plain step's
+    until drafting rounds are measured). Rounds whose drafting is not timed (a generation's first, the
+    first after skipped rounds) are not residuals. A gap that also holds something else (a newcomer's
+    prefill in a batch, which can come several rounds running as rows finish together; the caller's
+    work between generations) only adds time, and the lower quartile drops up to three in four of them. clock=None:
     the model alone (what the tests of its arithmetic use)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
@@ -316,7 +318,7 @@ class GoodputPolicy:
         self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
         self.clock = clock
-        # kind ("plain", "draft") → rows → the last residuals (measured − modelled seconds of a round), and their lower median
+        # kind ("plain", "draft") → rows → the last residuals (measured − modelled seconds of a round), and their lower quartile
         self._residuals: dict[str, dict[int, deque]] = {"plain": {}, "draft": {}}
         self.residuals: dict[str, dict[int, float]] = {"plain": {}, "draft": {}}
         self._round: list | None = None  # the round in flight: [kind, rows, modelled seconds (None: not a sample), start]
@@ -359,9 +361,9 @@ class GoodputPolicy:
 
     def residual(self, kind: str, rows: int) -> float:
         """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured
-        (the lower median of the last ROUND_WINDOW; read like draft_cost); a drafting round's is a plain
-        step's until one is measured (what the model misses in a plain step it misses in a drafting
-        round too); 0 before any or without a clock."""
+        (the lower quartile of the last ROUND_WINDOW, once ROUND_SAMPLES are in; read like draft_cost);
+        a drafting round's is a plain step's until drafting rounds are measured (what the model misses
+        in a plain step it misses in a drafting round too); 0 before any or without a clock."""
         table = self.residuals[kind] or (self.residuals["plain"] if kind == "draft" else {})
         return _by_rows(table, rows) or 0.0
 
@@ -379,13 +381,14 @@ class GoodputPolicy:
             done, r, expected, start = self._round
             window = self._residuals[done].setdefault(r, deque(maxlen=ROUND_WINDOW))
             window.append(now - start - expected)
-            median = sorted(window)[(len(window) - 1) // 2]
-            before = self.residuals[done].get(r)
-            self.residuals[done][r] = median
-            # the estimates change: whether drafting pays is judged again (not for a plain step's
-            # residual that moved by less than a twentieth of the step, so that not every round re-judges)
-            if done == "draft" or before is None or abs(median - before) > 0.05 * max(expected, 1e-12):
-                self._pays.clear()
+            if len(window) >= ROUND_SAMPLES:
+                low = sorted(window)[(len(window) - 1) // 4]  # the lower quartile: a gap that held more only adds
+                before = self.residuals[done].get(r)
+                self.residuals[done][r] = low
+                # the estimates change: whether drafting pays is judged again (not for a plain step's residual
+                # that moved by less than a twentieth of the step, so that not every round re-judges)
+                if done == "draft" or before is None or abs(low - before) > 0.05 * max(expected, 1e-12):
+                    self._pays.clear()
         self._round = None if kind is None else [kind, rows, modelled, now]
 
     def draft_cost(self, rows: int) -> float | None:

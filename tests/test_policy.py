@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from dflash2 import SamplingParams, VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator, NodeRates
 from dflash2.loop import AutoregressiveDrafter
-from dflash2.policy import (SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy, TreeGoodputPolicy,
-                            best_cap, best_widths, profile_draft)
+from dflash2.policy import (ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy,
+                            TreeGoodputPolicy, best_cap, best_widths, profile_draft)
 from dflash2.rng import TorchRandom
 from dflash2.tree import TokenTree, verify_tree
 from dflash2.verify import Draft
@@ -556,16 +556,16 @@ def _run_rounds(policy, rounds: int, plain_s: float, draft_s, clock: list[float]
 
 def test_measured_rounds_correct_what_the_model_misses():
     """The model says drafting pays (5 tokens in 0.1 + 1.2 s against 1 in 1 s) but a drafting round
-    takes 20 s on this machine: after one round the policy has measured it (a residual of 18.7 s) and
-    stops drafting; without a clock it drafts on. The other way round: the model says a plain step
-    pays (a pass dear per token), but every round spends 2 s the model does not know of, which makes
-    drafting pay (5 tokens in 8.1 s against 1 in 3 s): after one plain step it drafts, and verifies
-    every token (the plain step's residual counts in a drafting round until one is measured)."""
+    takes 20 s on this machine: once it has measured four such rounds (a residual of 18.7 s) it stops
+    drafting; without a clock it drafts on. The other way round: the model says a plain step pays (a
+    pass dear per token), but every round spends 2 s the model does not know of, which makes drafting
+    pay (5 tokens in 8.1 s against 1 in 3 s): after four plain steps it drafts, and verifies every
+    token (the plain step's residual counts in a drafting round until drafting rounds are measured)."""
     cost = CostModel(((1, 1.0), (5, 1.2)))
     clock = [0.0]
     timed = CountedGoodput(cost, positions=4, draft_s={1: 0.1}, clock=lambda: clock[0])
     _run_rounds(timed, 40, plain_s=1.0, draft_s=lambda w: 20.0, clock=clock)
-    assert timed.answers[0] and not any(timed.answers[1:])
+    assert all(timed.answers[:ROUND_SAMPLES]) and not any(timed.answers[ROUND_SAMPLES:])
     assert timed.residual("draft", 1) == pytest.approx(18.7) and timed.residual("plain", 1) == pytest.approx(0.0)
     blind = CountedGoodput(cost, positions=4, draft_s={1: 0.1})
     _run_rounds(blind, 40, plain_s=1.0, draft_s=lambda w: 20.0, clock=clock)
@@ -574,21 +574,26 @@ def test_measured_rounds_correct_what_the_model_misses():
     dear = CostModel(((1, 1.0), (5, 6.0)))
     unseen = CountedGoodput(dear, positions=4, draft_s={1: 0.5}, clock=lambda: clock[0])
     _run_rounds(unseen, 40, plain_s=3.0, draft_s=lambda w: 2.0 + 0.1 + dear.verify_s(1 + w), clock=clock)
-    assert unseen.answers[:2] == [False, True] and all(unseen.answers[2:]) and unseen.chosen[4] == 39
+    assert not any(unseen.answers[:ROUND_SAMPLES]) and all(unseen.answers[ROUND_SAMPLES:])
+    assert unseen.chosen[4] == 40 - ROUND_SAMPLES
     assert unseen.residual("plain", 1) == pytest.approx(2.0) and unseen.residual("draft", 1) == pytest.approx(2.0)
     assert not CountedGoodput(dear, positions=4, draft_s={1: 0.5}).drafts(1)
 
 
-def test_a_round_slowed_by_something_else_is_an_outlier():
-    """Plain steps of 1 s with one of 100 s among them (a prefill, the caller's work between
-    generations): the residual stays 0 and whether drafting pays does not change."""
+def test_rounds_slowed_by_something_else_are_outliers():
+    """Plain steps of 1 s, with a run of five 100 s gaps among them (newcomers' prefills as rows
+    finish together, the caller's work between generations): the residual stays 0 and whether
+    drafting pays does not change. A residual counts only once ROUND_SAMPLES rounds are in."""
     cost = CostModel(((1, 1.0), (5, 6.0)))
     clock = [0.0]
     policy = CountedGoodput(cost, positions=4, draft_s={1: 0.5}, clock=lambda: clock[0])
-    for k in range(30):
+    for k in range(40):
         policy.drafts(1)
-        clock[0] += 100.0 if k == 3 else 1.0
+        clock[0] += 100.0 if 3 <= k < 8 else 1.0
+        if k < ROUND_SAMPLES - 1:
+            assert policy.residuals["plain"] == {}
     assert policy.residual("plain", 1) == pytest.approx(0.0) and not any(policy.answers)
+    assert len(policy._residuals["plain"][1]) == ROUND_WINDOW
 
 
 def test_profile_loop_measures_a_plain_step_and_leaves_no_trace():

@@ -33,7 +33,7 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
     methods' VLLMResults (their τ, errors)."""
     engine = engine or {}
     by_name = {m.name: m for m in runs}
-    ar = by_name.get("ar")
+    ar = by_name.get("ar") or by_name.get("ar_static")  # our AR: through the model's forward, else StaticTarget
     base = {(rep, p): r for rep, p, r in runs[ar]} if ar else {}
     ar_tps = tokens_per_s(runs[ar]) if ar and runs[ar] else None
     plain = {m: tokens_per_s(items) for m, items in runs.items() if m.plain and items}
@@ -144,7 +144,8 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
                f"B={t.get('block_size') or '—'}, concurrency {t['concurrency']}, {t['setting']}: other "
                f"processes used {t['other_cpu']:.2f} CPU s per s.**" for t in busy], *([""] if busy else []),
              *[f"- {name}: {src}" for name, src in sources.items()], "",
-             "speedup: median of per-prompt tokens/s ratios against our AR, measured back to back (in brackets: "
+             "speedup: median of per-prompt tokens/s ratios against our AR (`ar`, else `ar_static`), measured back "
+             "to back (at more than one row, per repetition: the whole prompt set; in brackets: "
              "their first and third quartiles); a server's row (B — for one without a drafter): against the "
              "server without a drafter; ratio: total "
              "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "

@@ -506,7 +506,8 @@ def _regimes_cells(name: str) -> list[str]:
     if data is None:
         return []
     rows, vllm = data["rows"], any(r["method"].startswith("vllm_ar") for r in data["rows"])
-    head = "| rows | setting | our plain tok/s | best fixed DFlash-2 row | the adaptive row | other adaptive rows | asked | met |"
+    head = ("| rows | setting | our plain tok/s | best fixed DFlash-2 row | the adaptive row | paired | other adaptive rows | "
+            "asked | met |")
     if vllm:
         head = ("| rows | setting | vLLM plain tok/s | our plain / vLLM | best fixed / vLLM | the adaptive row / vLLM | "
                 "adaptive / our plain |")
@@ -532,13 +533,20 @@ def _regimes_cells(name: str) -> list[str]:
                        + (f"{x(adaptive, engine)} ({adaptive['method']})" if adaptive else "—") + " | "
                        + (x(adaptive) if adaptive else "—") + " |")
             continue
-        met = adaptive is not None and adaptive["tokens_per_s"] / plain["tokens_per_s"] >= asked
+        # paired: the median of its ratios to our plain decoding's run of the same prompt (at more rows, the same
+        # repetition) measured back to back, when the run's AR is that plain decoding; met only if both reach it
+        paired = adaptive.get("speedup") if adaptive and plain["method"] in ("ar", "ar_static") else None
+        met = adaptive is not None and adaptive["tokens_per_s"] / plain["tokens_per_s"] >= asked and \
+            (paired is None or paired >= asked)
         out.append(f"| {c} | {setting} | {plain['tokens_per_s']:.0f} | "
                    + (f"{x(fixed)} ({fixed['method']})" if fixed else "—") + " | "
                    + (f"**{x(adaptive)}** ({adaptive['method']})" if adaptive else "—") + " | "
+                   + (f"{paired:.2f}×" if paired is not None else "—") + " | "
                    + ", ".join(f"{r['method']} {x(r)}" for r in others) + f" | ≥ {asked:.1f}× | {'yes' if met else 'no'} |")
     return ["", f"Issue 32's cells in this run (the adaptive row: `{ADAPTIVE}`, named before the run; the compiled "
-            "drafting round at batch 1, where the run has one):", "", *out, ""]
+            "drafting round at batch 1, where the run has one; its total tokens/s against our plain decoding's, and "
+            "paired: the median of its ratios to our plain decoding's run of the same prompt, or at more rows of the "
+            "same repetition, measured back to back; a cell is met when both reach what is asked):", "", *out, ""]
 
 
 def _sampling_section() -> list[str]:
