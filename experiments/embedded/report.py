@@ -226,22 +226,24 @@ def main() -> int:
                             "`dflash2_goodput_tree<M>` keeps the first n nodes of the best-first M-node tree "
                             "(TreeGoodputPolicy, per-node-index acceptance rates); the table under the main one "
                             "gives the widths they chose and the cost curve they used (docs/architecture.md, "
-                            "\"Verification policies\"). With 20 prompts, concurrency 32 serves all 20 at once. "
-                            "The cells below are computed from this run, which started at load average 1.11 (a "
-                            "test run had just ended; other processes' CPU 0.01 s per s): not the quiet start asked "
-                            "for, so its cells want a rerun. Earlier runs are in "
-                            "docs/results/bench_regimes/runs/, the AVX2 VM's (35240ac, 9d7523f, 5e497d4; path policy "
+                            "\"Verification policies\"), and the residuals each policy measured: what its rounds "
+                            "took beyond its cost model. With 20 prompts, concurrency 32 serves all 20 at once. "
+                            "This VM's speed moves by a fifth from run to run and within a run, more than most gaps "
+                            "between the rows that skip nearly every round and our plain decoding, so the cells "
+                            "below give both the ratio of total tokens/s and the paired one (the median of per-prompt, "
+                            "at more rows per-repetition, ratios to our plain decoding run back to back), and a cell "
+                            "is met only when both reach what is asked. Earlier runs are in "
+                            "docs/results/bench_regimes/runs/: the AVX2 VM's (35240ac, 9d7523f, 5e497d4; path policy "
                             "only, float32 drafter), and this machine's before each fix to how the policy prices a "
                             "round (375c537, 0e1310a: one recompile timed first kept the compiled path row skipping "
                             "92% of batch-1 greedy rounds, and a plain step priced at a 2-token pass let the 32-row "
                             "greedy policies draft where drafting loses; 519a53a: a plain step priced at its bare "
-                            "pass, without the loop's own time; 395b10e: probes after skipped rounds timed with "
-                            "their features' backlog, which kept the batch-1 path rows skipping). In this run the uncompiled "
-                            "adaptive rows at batch 1 greedy still skip most rounds: each prompt's first drafting "
-                            "round, which also reads the prompt, was timed as drafting. Since 0678f06 it is not; a "
-                            "batch-1 greedy check after that fix (one repetition, uncompiled rows; runs/, \"_batch1_greedy\") "
-                            "has the path row drafting at 1.21× and the 15-node tree row at 1.47× our plain "
-                            "decoding.", cells=True)
+                            "pass, without the loop's own time; 395b10e, 210624b: probes after skipped rounds, and "
+                            "each prompt's first drafting round, timed with the features they also read; d019b62, "
+                            "the first quiet run after those fixes: the policies priced drafting rounds by the model "
+                            "alone and drafted 2–5% of the 32-row rounds at a real cost above twice the modelled one; "
+                            "0f9b23d, twice: round residuals by a lower median of nine, which newcomers' prefills in a "
+                            "batch could fill).", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, the "
@@ -250,8 +252,10 @@ def main() -> int:
                             "Issue 32 asks, against vLLM's faster plain decoding: the adaptive row ≥ 2.0× at batch 1 "
                             "greedy, our batched plain decoding ≥ 0.9× at 8 rows, the adaptive row ≥ 1.2× at 8 rows "
                             "greedy; the cells below are computed from this run. Earlier runs in "
-                            "docs/results/bench_regimes_vllm/runs/ are the AVX2 VM's, whose CPU has no native "
-                            "bfloat16 (vLLM's bfloat16 rows were slower there than its float32 ones).",
+                            "docs/results/bench_regimes_vllm/runs/: the AVX2 VM's, whose CPU has no native "
+                            "bfloat16 (vLLM's bfloat16 rows were slower there than its float32 ones), and this "
+                            "machine's at 210624b (not quiet), d019b62 and 0f9b23d (the policy before its round "
+                            "residuals, and with their first estimator).",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
@@ -543,10 +547,11 @@ def _regimes_cells(name: str) -> list[str]:
                    + (f"**{x(adaptive)}** ({adaptive['method']})" if adaptive else "—") + " | "
                    + (f"{paired:.2f}×" if paired is not None else "—") + " | "
                    + ", ".join(f"{r['method']} {x(r)}" for r in others) + f" | ≥ {asked:.1f}× | {'yes' if met else 'no'} |")
+    how = ("ratios of total tokens/s" if vllm else "its total tokens/s against our plain decoding's, and paired: the "
+           "median of its ratios to our plain decoding's run of the same prompt, or at more rows of the same repetition, "
+           "measured back to back; a cell is met when both reach what is asked")
     return ["", f"Issue 32's cells in this run (the adaptive row: `{ADAPTIVE}`, named before the run; the compiled "
-            "drafting round at batch 1, where the run has one; its total tokens/s against our plain decoding's, and "
-            "paired: the median of its ratios to our plain decoding's run of the same prompt, or at more rows of the "
-            "same repetition, measured back to back; a cell is met when both reach what is asked):", "", *out, ""]
+            f"drafting round at batch 1, where the run has one; {how}):", "", *out, ""]
 
 
 def _sampling_section() -> list[str]:
