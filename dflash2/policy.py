@@ -255,6 +255,17 @@ class _DraftTimer(FixedWidth):
         return super().widths(drafts, draft_s)
 
 
+@dataclass
+class _Round:
+    """A round GoodputPolicy is timing: its kind ("plain", "draft"), rows, the model's seconds for it
+    (None: not a sample; a drafting round's is set by widths()) and when it started."""
+
+    kind: str
+    rows: int
+    modelled: float | None
+    start: float
+
+
 class GoodputPolicy:
     """Widths that maximise expected committed tokens per second of the round (module docstring), and
     before each round whether drafting is expected to pay at all.
@@ -321,7 +332,7 @@ class GoodputPolicy:
         # kind ("plain", "draft") → rows → the last residuals (measured − modelled seconds of a round), and their lower quartile
         self._residuals: dict[str, dict[int, deque]] = {"plain": {}, "draft": {}}
         self.residuals: dict[str, dict[int, float]] = {"plain": {}, "draft": {}}
-        self._round: list | None = None  # the round in flight: [kind, rows, modelled seconds (None: not a sample), start]
+        self._round: _Round | None = None  # the round in flight
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -345,14 +356,24 @@ class GoodputPolicy:
         first `width` values) and their expected committed tokens per second."""
         rows = len(curves)
         fixed = draft_s + self.loop_cost(rows) + self.residual("draft", rows)
-        if self.padded or self.capped:
-            widths = best_cap(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
-            tokens = rows * (max(widths, default=0) + 1)
-        else:
-            widths = best_widths(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
-            tokens = rows + sum(widths)
+        choose = best_cap if self.padded or self.capped else best_widths
+        widths = choose(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
         gain = rows + sum(sum(c[:w]) for c, w in zip(curves, widths))
-        return widths, gain / max(fixed + self.cost.verify_s(tokens), 1e-12)
+        return widths, gain / max(fixed + self.cost.verify_s(self._pass_tokens(widths)), 1e-12)
+
+    def _pass_tokens(self, widths: list[int]) -> int:
+        """The tokens of the target pass that verifies these widths: every row padded to the widest
+        (padded, or one cap for all: capped), else each row's anchor and its own width."""
+        rows = len(widths)
+        return rows * (max(widths, default=0) + 1) if self.padded or self.capped else rows + sum(widths)
+
+    def _drafting_model(self, draft_s: float, widths: list[int]) -> float:
+        """A drafting round's seconds by the model alone (no residual): drafting, the loop, the pass."""
+        return draft_s + self.loop_cost(len(widths)) + self.cost.verify_s(self._pass_tokens(widths))
+
+    def _plain_model(self, rows: int) -> float:
+        """A plain step's seconds by the model alone (no residual): the pass and the loop."""
+        return self.cost.verify_s(rows) + self.loop_cost(rows)
 
     def loop_cost(self, rows: int) -> float:
         """The loop's own seconds in a round at `rows` rows, outside the target pass and the drafting
@@ -369,7 +390,7 @@ class GoodputPolicy:
 
     def plain_cost(self, rows: int) -> float:
         """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
-        return self.cost.verify_s(rows) + self.loop_cost(rows) + self.residual("plain", rows)
+        return self._plain_model(rows) + self.residual("plain", rows)
 
     def _time_round(self, kind: str | None, rows: int, modelled: float | None) -> None:
         """Close the round in flight (its residual joins the window of its kind and rows when it is a
@@ -377,19 +398,19 @@ class GoodputPolicy:
         if self.clock is None:
             return
         now = self.clock()
-        if self._round is not None and self._round[2] is not None:
-            done, r, expected, start = self._round
-            window = self._residuals[done].setdefault(r, deque(maxlen=ROUND_WINDOW))
-            window.append(now - start - expected)
+        done = self._round
+        if done is not None and done.modelled is not None:
+            window = self._residuals[done.kind].setdefault(done.rows, deque(maxlen=ROUND_WINDOW))
+            window.append(now - done.start - done.modelled)
             if len(window) >= ROUND_SAMPLES:
                 low = sorted(window)[(len(window) - 1) // 4]  # the lower quartile: a gap that held more only adds
-                before = self.residuals[done].get(r)
-                self.residuals[done][r] = low
+                before = self.residuals[done.kind].get(done.rows)
+                self.residuals[done.kind][done.rows] = low
                 # the estimates change: whether drafting pays is judged again (not for a plain step's residual
                 # that moved by less than a twentieth of the step, so that not every round re-judges)
-                if done == "draft" or before is None or abs(low - before) > 0.05 * max(expected, 1e-12):
+                if done.kind == "draft" or before is None or abs(low - before) > 0.05 * max(done.modelled, 1e-12):
                     self._pays.clear()
-        self._round = None if kind is None else [kind, rows, modelled, now]
+        self._round = None if kind is None else _Round(kind, rows, modelled, now)
 
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
@@ -401,8 +422,7 @@ class GoodputPolicy:
         self._time_round(None, rows, None)  # the round before this one ends here
         drafting = self._drafts(rows)
         # a drafting round's model is known once its widths are (widths()); a plain step's now
-        modelled = None if drafting else self.cost.verify_s(rows) + self.loop_cost(rows)
-        self._time_round("draft" if drafting else "plain", rows, modelled)
+        self._time_round("draft" if drafting else "plain", rows, None if drafting else self._plain_model(rows))
         return drafting
 
     def _drafts(self, rows: int) -> bool:
@@ -413,8 +433,7 @@ class GoodputPolicy:
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
             plain_s = self.plain_cost(rows)
-            probe_s = draft_s + self.loop_cost(rows) + self.residual("draft", rows) + \
-                self.cost.verify_s(rows * (self.positions + 1))
+            probe_s = self._drafting_model(draft_s, [self.positions] * rows) + self.residual("draft", rows)
             self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_s - plain_s)
         pays, plain_s, probe_extra = self._pays[rows]
         if pays:
@@ -451,10 +470,8 @@ class GoodputPolicy:
             widths = self._round_rate([self.curve(d) if d.tokens.shape[0] else [] for d in drafts], draft_s)[0]
         if drafted:
             self.chosen.update(widths)
-        if self._round is not None and self._round[0] == "draft":  # the round's model, when it is a sample
-            rows = len(drafts)
-            tokens = rows * (max(widths, default=0) + 1) if self.padded or self.capped else rows + sum(widths)
-            self._round[2] = draft_s + self.loop_cost(rows) + self.cost.verify_s(tokens) if sample else None
+        if self._round is not None and self._round.kind == "draft":  # the round's model, when it is a sample
+            self._round.modelled = self._drafting_model(draft_s, widths) if sample else None
         return widths
 
     def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
