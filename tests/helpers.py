@@ -140,6 +140,40 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int, stop_token_ids=None
     return out[0].tolist()
 
 
+class _CastLinear(torch.nn.Module):
+    """An nn.Linear whose product runs in `dtype`, as autocast runs it: input, weight and bias cast to it,
+    the output cast back to the input's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.linear, self.dtype = linear, dtype
+
+    @property
+    def weight(self) -> Tensor:  # the float weight, as a drafter sharing the target's LM head reads it
+        return self.linear.weight
+
+    @property
+    def bias(self) -> Tensor | None:
+        return self.linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        bias = None if self.linear.bias is None else self.linear.bias.to(self.dtype)
+        return torch.nn.functional.linear(x.to(self.dtype), self.linear.weight.to(self.dtype), bias).to(x.dtype)
+
+
+def with_linears_in(model, dtype: torch.dtype):
+    """A copy of the HF model whose every nn.Linear (the LM head's included) computes in `dtype`: what
+    StaticTarget(linear_dtype=dtype) must equal."""
+    import copy
+
+    model = copy.deepcopy(model)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(module, name, _CastLinear(child, dtype))
+    return model
+
+
 def exact_ar_distribution(model, prompt: list[int], n: int, prob_fn: Callable[[Tensor], Tensor],
                           stops: frozenset[int] = frozenset()) -> dict[tuple[int, ...], float]:
     """Exact distribution of the next n tokens (shorter if a stop token ends it), by brute force."""

@@ -169,26 +169,38 @@ def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
 
 
 def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
-    """target_steps=[hf, static] adds _static rows (eager here: the compiled step is tested in
-    tests/test_static_target.py); greedy, they commit the same tokens, so τ and counts agree."""
+    """target_steps=[hf, static, static_bf16mm] adds _static and _static_bf16mm rows (eager here: the
+    compiled step is tested in tests/test_static_target.py); greedy, the _static rows commit the same
+    tokens as the hf rows, so τ and counts agree, and every drafting row's outputs equal our plain
+    decoding's through its own step (same_outputs_as_plain, the bench's losslessness check)."""
     import dflash2.target.static as static_target
 
     original = static_target.StaticTarget.__init__
+    made = []
     monkeypatch.setattr(static_target.StaticTarget, "__init__",
-                        lambda self, *a, compile=False, **k: original(self, *a, compile=False, **k))
+                        lambda self, *a, compile=False, **k: made.append(k.get("linear_dtype")) or
+                        original(self, *a, compile=False, **k))
     out = tmp_path / "bench"
-    assert main(["--quick", f"out={out}", "target_steps=[hf,static]", "datasets=[humaneval]", "concurrency=[1,2]",
-                 "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
+    assert main(["--quick", f"out={out}", "target_steps=[hf,static,static_bf16mm]", "datasets=[humaneval]",
+                 "concurrency=[1,2]", "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
+    assert set(made) == {None, "bfloat16"}
     all_rows = json.loads((out / "results.json").read_text())["rows"]
     for concurrency in (1, 2):  # batch 1 and batched (StaticTarget's batched step)
         rows = {r["method"]: r for r in all_rows if r["concurrency"] == concurrency}
-        assert set(rows) == {"ar", "ar_static", "dflash2_walk", "dflash2_walk_static", "dflash2_tree7",
-                             "dflash2_tree7_static"}
-        for name in ("ar", "dflash2_walk", "dflash2_tree7"):
+        names = ("ar", "dflash2_walk", "dflash2_tree7")
+        assert set(rows) == {n + suffix for n in names for suffix in ("", "_static", "_static_bf16mm")}
+        for name in names:
             assert rows[name]["target_step"] == "hf" and rows[name + "_static"]["target_step"] == "static"
+            assert rows[name + "_static_bf16mm"]["target_step"] == "static_bf16mm"
             assert rows[name]["tau"] == rows[name + "_static"]["tau"]
             assert rows[name]["new_tokens"] == rows[name + "_static"]["new_tokens"]
-        assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "hf_generate")
+        for name in names[1:]:
+            for suffix in ("", "_static"):
+                assert rows[name + suffix]["same_outputs_as_plain"] == 1.0, (name + suffix, concurrency)
+            # bfloat16 products: a verify pass and a one-token step may round one product a step apart
+            assert rows[name + "_static_bf16mm"]["same_outputs_as_plain"] >= 0.5
+        assert rows["dflash2_walk_static"]["fastest_ar"] in ("ar", "ar_static", "ar_static_bf16mm", "hf_generate")
+    assert "= plain" in (out / "results.md").read_text()
 
 
 def test_quick_bench_needs_no_optional_package(tmp_path, monkeypatch, capsys):

@@ -19,7 +19,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "_bf16", "float16": "_fp16"}  # of method names (Method.name)
 
-TARGET_STEPS = ("hf", "static")
+TARGET_STEPS = ("hf", "static", "static_bf16mm")
+STEP_SUFFIX = {"hf": "", "static": "_static", "static_bf16mm": "_static_bf16mm"}  # of method names
 
 HF_BASELINES = ("hf_prompt_lookup", "hf_assisted")  # HF's speculative decoding: the drafters to beat
 
@@ -117,8 +118,10 @@ class BenchConfig:
     # once per dtype in vllm_dtypes (float32 as our target; bfloat16 rows end in _bf16).
     vllm_python: str | None = None
     vllm_dtypes: list[str] = field(default_factory=lambda: ["float32"])
-    # How our loop runs the target: "hf" (TargetAdapter: the model's forward) and/or "static" (StaticTarget:
-    # its layers written out over a preallocated cache, compiled at batch 1; rows end in _static).
+    # How our loop runs the target: "hf" (TargetAdapter: the model's forward), "static" (StaticTarget: its
+    # layers written out over a preallocated cache, compiled at batch 1; rows end in _static) and/or
+    # "static_bf16mm" (the same with bfloat16 matrix products, StaticTarget(linear_dtype="bfloat16"): another
+    # arithmetic than the model's, lossless with respect to itself; rows end in _static_bf16mm).
     target_steps: list[str] = field(default_factory=lambda: ["hf"])
     seed: int = 0
     out: str | None = None  # None: runs/bench/<the config file's name> (outside the tracked tree)

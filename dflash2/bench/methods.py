@@ -21,7 +21,7 @@ from ..batch import ar_generate_batch, spec_generate_batch
 from ..draft_vocab import load_counts, most_frequent
 from ..drafter import DFlash2Drafter
 from ..loop import ar_generate, spec_generate
-from .config import DTYPE_SUFFIX, DTYPES, VLLM_METHODS, BenchConfig
+from .config import DTYPE_SUFFIX, DTYPES, STEP_SUFFIX, VLLM_METHODS, BenchConfig
 from .prompts import PromptSet
 
 
@@ -29,7 +29,7 @@ from .prompts import PromptSet
 class Method:
     """One row of a table: which decoder runs, and the variant fields its name spells
     (`dflash2_tree15_V4096_compiled_bf16_static`: family dflash2_tree, 15 nodes, draft vocabulary 4096,
-    compiled drafting round, bfloat16 drafter, StaticTarget step)."""
+    compiled drafting round, bfloat16 drafter, StaticTarget step; `_static_bf16mm`: its bfloat16 products)."""
 
     family: str  # one of ALL_METHODS or VLLM_METHODS
     dtype: str = "float32"  # the drafter's (our drafter rows) or the engine's (vllm rows)
@@ -37,7 +37,7 @@ class Method:
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
     tree_nodes: int | None = None  # dflash2_tree, dflash2_goodput_tree: verify a token tree of (at most) this many nodes
-    target_step: str = "hf"  # our loop: "hf" (the model's forward) or "static" (StaticTarget)
+    target_step: str = "hf"  # our loop: "hf" (the model's forward), "static" (StaticTarget) or "static_bf16mm"
 
     @property
     def name(self) -> str:
@@ -46,7 +46,7 @@ class Method:
         name += f"_L{self.draft_len}" if self.draft_len else ""
         name += f"_V{self.draft_vocab}" if self.draft_vocab else ""
         name += "_compiled" if self.compiled else ""
-        return name + DTYPE_SUFFIX[self.dtype] + ("_static" if self.target_step == "static" else "")
+        return name + DTYPE_SUFFIX[self.dtype] + STEP_SUFFIX[self.target_step]
 
     @property
     def drafts(self) -> bool:
@@ -139,6 +139,11 @@ class _Policies:
         return self.policies[full]
 
 
+def _linear_dtype(step: str) -> str | None:
+    """StaticTarget's linear_dtype for a target step ("static_bf16mm": bfloat16 products)."""
+    return "bfloat16" if step == "static_bf16mm" else None
+
+
 def _residuals(policy) -> dict[str, float] | None:
     """An adaptive row's measured residuals (GoodputPolicy.residuals) at the most rows measured, per kind."""
     if policy is None:
@@ -153,14 +158,14 @@ def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
                  stops: list[int], calibrators: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
-    statics: dict[tuple[int, ...], Any] = {}  # one compiled StaticTarget per set of target layers read
+    statics: dict[tuple, Any] = {}  # one compiled StaticTarget per step and set of target layers read
 
-    def static(layer_ids: tuple[int, ...]):
+    def static(layer_ids: tuple[int, ...], step: str):
         from ..target.static import StaticTarget
 
-        if layer_ids not in statics:
-            statics[layer_ids] = StaticTarget(target, layer_ids, compile=True)
-        return statics[layer_ids]
+        if (layer_ids, step) not in statics:
+            statics[layer_ids, step] = StaticTarget(target, layer_ids, compile=True, linear_dtype=_linear_dtype(step))
+        return statics[layer_ids, step]
 
     policy_for = _Policies(1, padded=False, calibrators=calibrators)
 
@@ -168,7 +173,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
         def run(ids, setting, seed):
             g = torch.Generator().manual_seed(seed)
             layers = () if drafter is None else tuple(drafter.target_layer_ids)
-            tgt = target if step == "hf" else static(layers)
+            tgt = target if step == "hf" else static(layers, step)
             kw = dict(verify)
             before = None
             if kw.get("policy") == "goodput":
@@ -202,13 +207,14 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
     methods: dict[Method, Callable] = {}
     if "hf" in cfg.target_steps:
         methods[Method("ar")] = ours(None)
-    if "static" in cfg.target_steps:
-        methods[Method("ar", target_step="static")] = ours(None, "static")
+    for step in cfg.target_steps:
+        if step != "hf":
+            methods[Method("ar", target_step=step)] = ours(None, step)
     methods |= {Method("hf_generate"): hf(), Method("hf_prompt_lookup"): hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods[Method("hf_assisted")] = hf(assistant_model=ar_draft)
     for method, drafter, verify in _drafter_variants(cfg, drafters, block):
-        for step in cfg.target_steps:  # hf and/or static
+        for step in cfg.target_steps:
             methods[dataclasses.replace(method, target_step=step)] = ours(drafter, step, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
@@ -265,7 +271,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        calibrators: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    statics: dict[tuple[int, ...], Any] = {}  # one StaticTarget per set of target layers read (eager: batches)
+    statics: dict[tuple, Any] = {}  # one StaticTarget per step and set of target layers read (eager: batches)
 
     def step_for(step: str, drafter):
         from ..target.static import StaticTarget
@@ -273,9 +279,9 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         if step == "hf":
             return target
         layers = () if drafter is None else tuple(drafter.target_layer_ids)
-        if layers not in statics:
-            statics[layers] = StaticTarget(target, layers)
-        return statics[layers]
+        if (layers, step) not in statics:
+            statics[layers, step] = StaticTarget(target, layers, linear_dtype=_linear_dtype(step))
+        return statics[layers, step]
 
     policy_for = _Policies(concurrency, padded=True, calibrators=calibrators)
 
@@ -303,7 +309,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         return run
 
     methods: dict[Method, Callable] = {}
-    for step in cfg.target_steps:  # hf and/or static (eager in batches)
+    for step in cfg.target_steps:  # StaticTarget steps run eager in batches
         methods[Method("ar", target_step=step)] = ours(None, step)
     for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
         if method.family != "dflash2_argmax":  # no selector ablation in batches

@@ -41,6 +41,8 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
     # the faster HF speculative baseline (by tokens/s over the whole set), for the rows of our loop
     hf = max((m for m in runs if m.family in HF_BASELINES), key=lambda m: tokens_per_s(runs[m]), default=None)
     best = {(rep, p): r for rep, p, r in runs[hf]} if hf else {}
+    # greedy: each row's outputs against our plain decoding's on the same target step, run for run
+    plains = {m.target_step: {(rep, p): r for rep, p, r in items} for m, items in runs.items() if m.family == "ar"}
     rows = []
     for method, items in runs.items():
         per_prompt = ratios(items, base)
@@ -64,6 +66,15 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
             row["plain_decoding"] = method.plain
             rows.append(row)
             continue
+        step_plain = plains.get(method.target_step) if method.drafts else None
+        if step_plain:  # paired against our plain decoding through the same target step
+            row["speedup_vs_step_plain"] = median_ratio(items, step_plain)
+        same = step_plain if not setting.get("temperature") else None
+        if same:
+            pairs = [(a, b) for rep, p, r in items if (rep, p) in same
+                     for a, b in zip(r.outputs, same[rep, p].outputs, strict=True)]
+            if pairs:
+                row["same_outputs_as_plain"] = sum(a == b for a, b in pairs) / len(pairs)
         if hf and method.drafts:
             row.update(best_hf_baseline=hf.name, speedup_vs_best_hf=median_ratio(items, best),
                        tokens_per_s_vs_best_hf=row["tokens_per_s"] / tokens_per_s(runs[hf]))
@@ -149,10 +160,11 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
              "their first and third quartiles); a server's row (B — for one without a drafter): against the "
              "server without a drafter; ratio: total "
              "tokens/s against our AR's; vs fastest plain: total tokens/s against the fastest plain decoding of the "
-             "table (ours, HF generate, vLLM or a server's).", "",
+             "table (ours, HF generate, vLLM or a server's); = plain: greedy, the share of outputs identical to our "
+             "plain decoding's of the same prompt through the same target step.", "",
              "| dataset | B | concurrency | setting | method | τ | tokens/s | speedup | ratio | vs fastest plain "
-             "| vs faster HF spec. |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs faster HF spec. | = plain |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, spec=".2f", unit="×": "—" if v is None else f"{v:{spec}}{unit}"  # noqa: E731
     for r in rows:
         hf = (f"{r['speedup_vs_best_hf']:.2f}× ({r['tokens_per_s_vs_best_hf']:.2f}× by totals)"
@@ -164,7 +176,8 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
                   and r.get("speedup") is not None else "")
         lines.append(f"| {r['dataset']} | {r['block_size'] or '—'} | {r['concurrency']} | {r['setting']} | {r['method']} | "
                      f"{fmt(r['tau'], '.2f', '')} | {tps} | {fmt(r['speedup'])}{spread} | "
-                     f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} |")
+                     f"{fmt(r.get('tokens_per_s_ratio'))} | {fastest} | {hf} | "
+                     f"{fmt(r.get('same_outputs_as_plain'), '.0%', '')} |")
     adaptive = [r for r in rows if r.get("width_histogram")]
     if adaptive:
         lines += ["", "What the adaptive rows chose: the share of row-rounds verified at each width (skip: rounds "

@@ -14,10 +14,19 @@ model's own layers with fewer, larger operations:
     → rms_norm(x)
 
 so a layer runs four matrix products instead of seven, and RoPE is a lookup in tables computed
-computed by the model's own rotary module once per pass. On CPU, float32 and bfloat16 weights are prepacked for
+by the model's own rotary module once per pass. On CPU, float32 and bfloat16 weights are prepacked for
 oneDNN's matrix multiply (the layout inductor's weight freezing uses), which reads the weights of
 a one-token or a 16-token pass faster than the unpacked `F.linear`
 (docs/architecture.md, "Performance choices"); other devices and dtypes use `F.linear`.
+
+`linear_dtype` (StaticTarget's option) runs the matrix products, the LM head's included, in another
+dtype than the model's, as autocast would: weights stored in it, each product's input cast to it and
+its output cast back. With bfloat16 products on a float32 model the residual stream, the norms, RoPE,
+attention and the K/V cache stay float32; this is vLLM's CPU bfloat16 arithmetic for the matrix
+products only (its attention and cache are bfloat16). It changes the target's arithmetic: decoding is
+lossless with respect to that arithmetic (plain decoding through the same StaticTarget), not to the
+model's float32 forward. Published checkpoints store bfloat16 weights, so the weights themselves lose
+nothing; the inputs and outputs of each product are rounded.
 
 What the model's layers do and this step must do too: Qwen3's per-head q/k norms, Qwen2's q/k/v
 biases, Llama's optional attention and MLP biases, the attention module's own `scaling`, sliding
@@ -62,19 +71,28 @@ def _(x: Tensor, packed: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 
 class Linear:
-    """y = x Wᵀ + b. CPU float32/bfloat16: W prepacked once for oneDNN; elsewhere F.linear."""
+    """y = x Wᵀ + b, its product in `dtype` (default: the weight's): W (and b) stored in it; an input of
+    another dtype is cast to it and the output cast back to the input's dtype, as autocast runs a
+    linear. CPU float32/bfloat16: W prepacked once for oneDNN; elsewhere F.linear."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None) -> None:
-        self.weight, self.bias = weight.detach(), None if bias is None else bias.detach()
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, dtype: torch.dtype | None = None) -> None:
+        self.dtype = dtype or weight.dtype
+        self.weight = weight.detach().to(self.dtype)
+        self.bias = None if bias is None else bias.detach().to(self.dtype)
         self.packed = None
-        if weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16) and _onednn():
+        if weight.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and _onednn():
             # oneDNN picks its weight layout from the expected rows per call; measured choices
-            hint = 1 if weight.dtype == torch.bfloat16 else None
+            hint = 1 if self.dtype == torch.bfloat16 else None
             args = (self.weight,) if hint is None else (self.weight, hint)
             self.packed = torch.ops.mkldnn._reorder_linear_weight(*args)
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.packed is not None and x.dtype == self.weight.dtype:
+        if x.dtype != self.dtype:
+            return self._product(x.to(self.dtype)).to(x.dtype)
+        return self._product(x)
+
+    def _product(self, x: Tensor) -> Tensor:
+        if self.packed is not None:
             if torch.compiler.is_compiling():
                 return torch.ops.dflash2.packed_linear(x, self.packed, self.weight, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -132,7 +150,8 @@ def fusable(model: nn.Module) -> str | None:
 class FusedDecoder:
     """The model's decoder as written-out weights and one step function (module docstring)."""
 
-    def __init__(self, model: nn.Module, layer_kinds: list[str], keep: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: nn.Module, layer_kinds: list[str], keep: tuple[int, ...] = (),
+                 linear_dtype: torch.dtype | None = None) -> None:
         why = fusable(model)
         if why is not None:
             raise NotImplementedError(f"the fused step does not run this model: {why}")
@@ -145,6 +164,7 @@ class FusedDecoder:
         self.n_q = attn0.q_proj.out_features // self.head_dim
         self.n_kv = attn0.k_proj.out_features // self.head_dim
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
+        self.linear_dtype = linear_dtype  # the matrix products' dtype (None: the weights')
         self.layers = [self._layer(layer, kind) for layer, kind in zip(decoder.layers, layer_kinds)]
         self.keep = tuple(keep)  # the layers whose hidden states a pass returns, in this order
         self.kept_after = [i in self.keep for i in range(len(self.layers))]
@@ -165,14 +185,15 @@ class FusedDecoder:
             qk_norm = torch.cat([a.q_norm.weight.detach().expand(self.n_q, -1),
                                  a.k_norm.weight.detach().expand(self.n_kv, -1)])
         w = lambda *ps: torch.cat([p.weight.detach() for p in ps]).contiguous()  # noqa: E731
+        lin = lambda weight, bias: Linear(weight, bias, self.linear_dtype)  # noqa: E731
         return Layer(
             ln_attn=layer.input_layernorm.weight.detach(),
-            qkv=Linear(w(a.q_proj, a.k_proj, a.v_proj), _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
+            qkv=lin(w(a.q_proj, a.k_proj, a.v_proj), _cat(a.q_proj.bias, a.k_proj.bias, a.v_proj.bias)),
             qk_norm=qk_norm,
-            o=Linear(a.o_proj.weight.detach(), a.o_proj.bias),
+            o=lin(a.o_proj.weight.detach(), a.o_proj.bias),
             ln_mlp=layer.post_attention_layernorm.weight.detach(),
-            gate_up=Linear(w(m.gate_proj, m.up_proj), _cat(m.gate_proj.bias, m.up_proj.bias)),
-            down=Linear(m.down_proj.weight.detach(), m.down_proj.bias),
+            gate_up=lin(w(m.gate_proj, m.up_proj), _cat(m.gate_proj.bias, m.up_proj.bias)),
+            down=lin(m.down_proj.weight.detach(), m.down_proj.bias),
             kind=kind)
 
     def step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],

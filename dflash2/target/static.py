@@ -94,11 +94,17 @@ class StaticTarget(TargetAdapter):
     fused: run the decoder written out (dflash2.target.fused: q/k/v and gate/up as one matrix each,
            oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
            otherwise); False: always the model's own layer modules.
+    linear_dtype: the dtype of the fused step's matrix products, the LM head's included (None: the
+           model's). "bfloat16" on a float32 model: bfloat16 products on CPUs that have them natively,
+           float32 everywhere else (residual stream, norms, attention, cache). This changes the target's
+           arithmetic: decoding through this StaticTarget is lossless with respect to it, not to the
+           model's own forward (dflash2.target.fused). Needs the fused step.
     """
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), *, capacity: int | None = None,
-                 compile: bool = False, fused: bool = True) -> None:
+                 compile: bool = False, fused: bool = True, linear_dtype: torch.dtype | str | None = None) -> None:
         super().__init__(model, layer_ids)
+        linear_dtype = _dtype(linear_dtype)
         kind = getattr(self.config, "model_type", None)
         if kind not in SUPPORTED or self.hybrid:
             raise NotImplementedError(f"StaticTarget runs {', '.join(SUPPORTED)} targets; this is {kind!r}. "
@@ -118,10 +124,14 @@ class StaticTarget(TargetAdapter):
         self.fused_reason: str | None = "fused=False"  # why the model's own layers run (None: they do not)
         if fused:
             try:
-                self.fused, self.fused_reason = FusedDecoder(model, self.layer_kinds, self.layer_ids), None
-                self.head = Linear(self.head.weight, self.head.bias)
+                self.fused = FusedDecoder(model, self.layer_kinds, self.layer_ids, linear_dtype)
+                self.fused_reason, self.head = None, Linear(self.head.weight, self.head.bias, linear_dtype)
             except NotImplementedError as why:
                 self.fused_reason = str(why)
+        if linear_dtype is not None and self.fused is None:
+            raise NotImplementedError(f"linear_dtype={linear_dtype} needs the fused step, which does not run this "
+                                      f"target ({self.fused_reason}); leave linear_dtype unset to run the model's layers")
+        self.linear_dtype = linear_dtype
         if compile:
             allow_recompiles(64)  # every StaticTarget shares `_step`'s code: each adds a few graphs
         self._compiled, self._warm = compile, False
@@ -351,6 +361,16 @@ class StaticTarget(TargetAdapter):
                 index = (start + slots).to(self.device)[:, None, :, None].expand(R, b.shape[1], n, b.shape[3])
                 b[:, :, start: start + n] = b.gather(2, index)
         cache.length = start + n
+
+
+def _dtype(name: torch.dtype | str | None) -> torch.dtype | None:
+    """A dtype given as torch.bfloat16 or "bfloat16" (None: None); ValueError for anything else."""
+    if name is None or isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"linear_dtype must be a floating-point torch dtype or its name, got {name!r}")
+    return dtype
 
 
 class _quiet_output_hooks:

@@ -494,9 +494,11 @@ REGIME_TARGETS = {(1, "greedy"): 1.3, (1, "sampling"): 1.0, (8, "greedy"): 1.3, 
 ADAPTIVE = "dflash2_goodput_tree15"  # the adaptive row the cells are judged on, named before the run (compiled at batch 1)
 
 
-def _adaptive_row(cell: list[dict], concurrency: int) -> dict | None:
-    """The cell's ADAPTIVE row: its compiled variant at batch 1 where the run has one."""
-    rows = [r for r in cell if r["method"].startswith(ADAPTIVE) and r.get("tokens_per_s")]
+def _adaptive_row(cell: list[dict], concurrency: int, step: str | None = None) -> dict | None:
+    """The cell's ADAPTIVE row through target step `step` (that of our fastest plain decoding; None: any):
+    its compiled variant at batch 1 where the run has one."""
+    rows = [r for r in cell if r["method"].startswith(ADAPTIVE) and r.get("tokens_per_s")
+            and step in (None, r.get("target_step"))]
     compiled = [r for r in rows if r.get("compiled")]
     return (compiled if concurrency == 1 and compiled else [r for r in rows if not r.get("compiled")] or [None])[0]
 
@@ -523,7 +525,7 @@ def _regimes_cells(name: str) -> list[str]:
         plain = max(ours, key=lambda r: r["tokens_per_s"])
         fixed = max((r for r in cell if r["method"].startswith("dflash2") and "goodput" not in r["method"]),
                     key=lambda r: r["tokens_per_s"], default=None)
-        adaptive = _adaptive_row(cell, c)
+        adaptive = _adaptive_row(cell, c, plain.get("target_step")) or _adaptive_row(cell, c)
         others = [r for r in cell if "goodput" in r["method"] and r is not adaptive]
         x = lambda r, base=plain: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×"  # noqa: E731
         if vllm:
@@ -537,8 +539,11 @@ def _regimes_cells(name: str) -> list[str]:
                        + (x(adaptive) if adaptive else "—") + " |")
             continue
         # paired: the median of its ratios to our plain decoding's run of the same prompt (at more rows, the same
-        # repetition) measured back to back, when the run's AR is that plain decoding; met only if both reach it
-        paired = adaptive.get("speedup") if adaptive and plain["method"] in ("ar", "ar_static") else None
+        # repetition) through the same target step, measured back to back; met only if both reach it
+        paired = None
+        if adaptive and adaptive.get("target_step") == plain.get("target_step"):
+            paired = adaptive.get("speedup_vs_step_plain") or (
+                adaptive.get("speedup") if plain["method"] in ("ar", "ar_static") else None)
         met = adaptive is not None and adaptive["tokens_per_s"] / plain["tokens_per_s"] >= asked and \
             (paired is None or paired >= asked)
         out.append(f"| {c} | {setting} | {plain['tokens_per_s']:.0f} | "
