@@ -39,6 +39,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
+from itertools import accumulate
 from dataclasses import dataclass
 from typing import Callable
 
@@ -68,14 +69,20 @@ class CostModel:
         tokens = [n for n, _ in self.points]
         if not self.points or tokens != sorted(set(tokens)) or tokens[0] < 1 or any(s < 0 for _, s in self.points):
             raise ValueError(f"CostModel needs points (tokens >= 1, strictly increasing; seconds >= 0), got {self.points}")
+        object.__setattr__(self, "_memo", {})  # tokens → seconds: a policy reads a few dozen sizes every round
 
     def verify_s(self, tokens: int) -> float:
         """Seconds of a target pass over `tokens` tokens: interpolated between the measured points,
         the first point's value below them, the last segment's slope above them."""
+        memo = self._memo  # type: ignore[attr-defined]
+        if tokens not in memo:
+            memo[tokens] = self._interpolate(tokens)
+        return memo[tokens]
+
+    def _interpolate(self, tokens: int) -> float:
         xs = [n for n, _ in self.points]
-        ys = [s for _, s in self.points]
         if len(xs) == 1 or tokens <= xs[0]:
-            return ys[0]
+            return self.points[0][1]
         i = min(max(bisect.bisect_left(xs, tokens), 1), len(xs) - 1)
         (x0, y0), (x1, y1) = self.points[i - 1], self.points[i]
         return max(0.0, y0 + (y1 - y0) * (tokens - x0) / (x1 - x0))
@@ -554,9 +561,10 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
     round_s(rows × (W + 1)) → each row's width min(W, L_r)."""
     rows = len(curves)
     longest = max((len(c) for c in curves), default=0)
+    sums = [list(accumulate(c, initial=0.0)) for c in curves]  # sums[r][w]: row r's first w values
     best, best_cap_ = -1.0, 0
     for cap in range(longest + 1):
-        gain = rows + sum(sum(c[:cap]) for c in curves)
+        gain = rows + sum(s[min(cap, len(s) - 1)] for s in sums)
         rate = gain / max(round_s(rows * (cap + 1)), 1e-12)
         if rate > best:
             best, best_cap_ = rate, cap
