@@ -167,6 +167,33 @@ def test_the_compiled_step_is_lossless():
         for verify in ("path", "tree"):
             out = spec_generate(drafter, tgt, torch.tensor([prompt]), max_new_tokens=20, verify=verify, tree_nodes=4)
             assert out.sequences[0].tolist() == want, verify
+    # batches: one-token passes compiled (plain steps: AR, and rounds a policy does not draft), rows leaving
+    prompts = [[1, 2, 0, 1, 1, 2], [0], [2, 2, 1], [1, 0]]
+    want = [hf_greedy(exact.target(), p, 12) for p in prompts]
+    ids, mask = left_pad(prompts)
+    plain = StaticTarget(exact.target(), compile=True)
+    assert [r.sequences[0].tolist() for r in ar_generate_batch(plain, ids, mask, max_new_tokens=12, concurrency=3)] == want
+    assert plain._warm == {"batch"}  # the batch-1 graphs compile only when a batch-1 pass comes
+    rows = spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=12, concurrency=3, verify="tree", tree_nodes=4,
+                               policy=SkipEveryOther())
+    assert [r.sequences[0].tolist() for r in rows] == want
+
+
+class SkipEveryOther:
+    """A policy whose every other round drafts nothing (a batch's plain one-token step), the rest verify in full."""
+
+    def __init__(self) -> None:
+        self.round = 0
+
+    def drafts(self, rows: int) -> bool:
+        self.round += 1
+        return self.round % 2 == 0
+
+    def widths(self, drafts, draft_s):
+        return [d.tokens.shape[0] for d in drafts]
+
+    def observe(self, draft, verified, accepted) -> None:
+        pass
 
 
 def recording(target):

@@ -38,9 +38,12 @@ to `out`. Methods:
                      dynamic shapes), batch 1 only; `target_steps` chooses the target's step
 
 With `target_steps: [hf, static]` every method of our loop also runs with the target's step through
-`StaticTarget` (the model's layers written out over a preallocated cache: rows end in `_static`; at
-batch 1 its multi-token passes torch.compile'd in the untimed warm-up run, in batches eager); "hf" is
-the model's own forward (TargetAdapter).
+`StaticTarget` (the model's layers written out over a preallocated cache: rows end in `_static`;
+torch.compile'd in each table's untimed warm-up run: at batch 1 every pass but the prefill, in batches
+the one-token passes); "hf" is the model's own forward (TargetAdapter). `static_bf16mm` is the same
+step with bfloat16 matrix products (StaticTarget(linear_dtype="bfloat16"); rows end in
+`_static_bf16mm`): another arithmetic than the model's, so its rows are judged against plain decoding
+through the same step (the `= plain` column: greedy outputs identical to it).
 
 With `drafter_dtypes: [float32, bfloat16]` every drafter method also runs with its drafters cast to
 bfloat16 (names end in `_bf16`; rows carry `drafter_dtype`). The target stays float32 throughout, so

@@ -271,7 +271,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        calibrators: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    statics: dict[tuple, Any] = {}  # one StaticTarget per step and set of target layers read (eager: batches)
+    statics: dict[tuple, Any] = {}  # one StaticTarget per step and set of target layers read (one-token passes compiled)
 
     def step_for(step: str, drafter):
         from ..target.static import StaticTarget
@@ -280,7 +280,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
             return target
         layers = () if drafter is None else tuple(drafter.target_layer_ids)
         if (layers, step) not in statics:
-            statics[layers, step] = StaticTarget(target, layers, linear_dtype=_linear_dtype(step))
+            statics[layers, step] = StaticTarget(target, layers, compile=True, linear_dtype=_linear_dtype(step))
         return statics[layers, step]
 
     policy_for = _Policies(concurrency, padded=True, calibrators=calibrators)
@@ -309,7 +309,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
         return run
 
     methods: dict[Method, Callable] = {}
-    for step in cfg.target_steps:  # StaticTarget steps run eager in batches
+    for step in cfg.target_steps:
         methods[Method("ar", target_step=step)] = ours(None, step)
     for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
         if method.family != "dflash2_argmax":  # no selector ablation in batches

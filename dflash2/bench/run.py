@@ -156,11 +156,10 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                     setting = SETTINGS[setting_name]
                     monitor = LoadMonitor()
                     runs: dict[Method, list[tuple[int, int, Run]]] = {m: [] for m in methods}
-                    warm = conc == 1  # one untimed run of each method first (compiles, first-call costs)
-                    total = (cfg.repetitions * len(inputs) + warm) * len(methods)
+                    total = (cfg.repetitions * len(inputs) + 1) * len(methods)
                     progress = Progress(f"table {len(tables) + 1}/{n_tables}: {dataset} B={block} c={conc} "
                                         f"{setting_name}", total)
-                    for method, fn in methods.items() if warm else ():
+                    for method, fn in methods.items():  # one untimed run of each first (compiles, first-call costs)
                         progress.step(f"warm-up {method.name} (first calls compile)", always=True)
                         call(fn, inputs[0], setting, cfg.seed)
                     engine: dict[Method, Any] = {}  # the engine's rows: one repetition after each of ours

@@ -17,9 +17,7 @@ are not called as modules but written out (`dflash2.target.fused`: q/k/v and gat
 each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
 calls the model's layer modules as above. The step can be put through `torch.compile`
 (`compile=True`: dynamic shapes, so the growing cache length compiles once per pass width), as
-gpt-fast compiles its decoder; prefills, and the fused step's one-token passes, stay eager (a
-compiled one-token graph saved nothing measurable over the eager fused step, and spends its call on
-dynamo's guards: docs/architecture.md, "Performance choices"); the eager path is the same function.
+gpt-fast compiles its decoder; prefills stay eager; the eager path is the same function.
 
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
 (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
@@ -30,8 +28,9 @@ takes [R, W] ids at per-row positions with the loop's per-row key mask, over a c
 [rows, kv_heads, slots, hd] per layer. Appending a pass writes into the buffers; keeping a row's
 accepted slots moves a few columns down in place; a finished row's buffer row goes to the next
 prompt (`select_rows` compacts the rows, `append_rows` copies a prefilled newcomer in); the buffers
-grow (doubling) only when the rows or slots outrun them. Batched passes run eager, whatever
-`compile` says (the rows and the mask change every round).
+grow (doubling) only when the rows or slots outrun them. With `compile`, a batch's one-token passes
+(plain steps, rounds not drafted) run compiled (dynamic rows and slots); its wider passes run eager
+(docs/architecture.md, "Performance choices").
 """
 
 from __future__ import annotations
@@ -90,7 +89,8 @@ class StaticTarget(TargetAdapter):
     """A TargetAdapter whose batch-1 passes run the model's layers directly over a StaticCache.
 
     capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
-    compile: put the step through torch.compile(dynamic=True) on first use.
+    compile: put the step through torch.compile(dynamic=True), compiled before the first pass (batch 1:
+           every pass but a prefill; batches: one-token passes).
     fused: run the decoder written out (dflash2.target.fused: q/k/v and gate/up as one matrix each,
            oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
            otherwise); False: always the model's own layer modules.
@@ -134,7 +134,7 @@ class StaticTarget(TargetAdapter):
         self.linear_dtype = linear_dtype
         if compile:
             allow_recompiles(64)  # every StaticTarget shares `_step`'s code: each adds a few graphs
-        self._compiled, self._warm = compile, False
+        self._compiled, self._warm = compile, set()  # the kinds of pass compiled so far ("single", "batch")
         self._run = torch.compile(self._step, dynamic=True) if compile else self._step
 
     # -- the cache --------------------------------------------------------------------------------
@@ -191,15 +191,13 @@ class StaticTarget(TargetAdapter):
     def _pass(self, ids: Tensor, positions: Tensor, cache: StaticCache, allowed: Tensor | None,
               keep_logits: int | None) -> tuple[Tensor, Tensor | None]:
         start, T = cache.length, ids.shape[1]
-        if self._compiled and not self._warm:
-            self._warm_up()
+        if self._compiled and "single" not in self._warm:
+            self._warm_up("single")
         key_positions = torch.arange(start + T, device=self.device)
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        # eager: a prefill (once per sequence), and a fused one-token step, which its compiled graph did not
-        # make measurably faster (docs/architecture.md, "Performance choices")
-        step = self._step if start == 0 or (T == 1 and self.fused is not None) else self._run
+        step = self._step if start == 0 else self._run  # a prefill (once per sequence, any length) runs eager
         if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         else:
@@ -208,16 +206,27 @@ class StaticTarget(TargetAdapter):
         cache.length = start + T
         return self.head(normed[:, -(keep_logits or T):]), features
 
-    def _warm_up(self) -> None:
-        """Compile the step's two graphs (one token; two or more) on a scratch cache before the first
-        real pass, so no compilation lands inside a timed decode."""
-        self._warm = True
-        done = announce_compiling("the target's StaticTarget step")
-        scratch = StaticCache()
-        self._reserve(scratch, 8)
-        for n in (2, 2, 1):
-            self._pass(torch.zeros(1, n, dtype=torch.long, device=self.device),
-                       torch.arange(scratch.length, scratch.length + n, device=self.device)[None], scratch, None, None)
+    def _warm_up(self, kind: str) -> None:
+        """Compile the step's graphs for one kind of pass on a scratch cache before the first real one,
+        so no compilation lands inside a timed decode: "single" (batch 1: one token; two or more) or
+        "batch" (a batch's one-token pass, at two rows and at one, which dynamic shapes specialise)."""
+        self._warm.add(kind)
+        done = announce_compiling("the target's StaticTarget step" + (" for batches" if kind == "batch" else ""))
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
+        if kind == "single":
+            scratch = StaticCache()
+            self._reserve(scratch, 8)
+            for n in (2, 2, 1):
+                self._pass(zeros(1, n), torch.arange(scratch.length, scratch.length + n, device=self.device)[None],
+                           scratch, None, None)
+        for rows in ((2, 1) if kind == "batch" else ()):
+            scratch, pos = StaticCache(), torch.arange(2, device=self.device).expand(rows, 2)
+            self.forward_masked(zeros(rows, 2), pos, pos, torch.ones(rows, 2, 2, dtype=torch.bool).tril(), scratch)
+            for _ in range(2):
+                S = scratch.length
+                self.forward_masked(zeros(rows, 1), torch.full((rows, 1), S, device=self.device),
+                                    torch.arange(S + 1, device=self.device).expand(rows, S + 1),
+                                    torch.ones(rows, 1, S + 1, dtype=torch.bool), scratch)
         done()
 
     def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None) -> dict[str, Tensor | None]:
@@ -276,10 +285,15 @@ class StaticTarget(TargetAdapter):
         if cache.keys and cache.rows != R:
             raise ValueError(f"the pass has {R} rows, the cache {cache.rows}")
         self._reserve_rows(cache, R, start + W)
+        if self._compiled and "batch" not in self._warm:
+            self._warm_up("batch")
         masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()
         if self.fused is not None:
-            normed, features = self._step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
+            # compiled: a one-token pass after the prefill (plain steps, rounds not drafted); wider ones run eager,
+            # which their compiled graphs did not beat in whole decodes (docs/architecture.md, "Performance choices")
+            step = self._run if W == 1 and start > 0 else self._step
+            normed, features = step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
         else:
             with _quiet_output_hooks(), masked_gqa(self.config):
                 normed, features = self._step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
