@@ -30,7 +30,7 @@ from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates, RoundContext
-from .layers import allow_recompiles, announced_first_call
+from .layers import allow_recompiles, announced_first_call, compile_own
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -381,8 +381,10 @@ class DFlash2Drafter(nn.Module):
         call per round. Arguments go to torch.compile; `dynamic=True` suits decoding, where the
         context grows every round. (`backbone.compile` compiles the block pass and the projection
         separately: two calls per round, and the batched path's passes.)"""
-        allow_recompiles(64)  # every drafter shares `_round`'s code: each adds a few graphs
-        self._round = announced_first_call(torch.compile(self._round, *args, **kwargs), "the drafter's round")
+        allow_recompiles(64)  # a graph per shape that specialises
+        if args:
+            raise TypeError("DFlash2Drafter.compile takes torch.compile's options as keywords")
+        self._round = announced_first_call(compile_own(self._round, **kwargs), "the drafter's round")
 
     def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
                     lattice: bool = True) -> "RoundScores":

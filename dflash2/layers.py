@@ -6,7 +6,7 @@ map one-to-one onto the published checkpoint format.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -170,13 +170,28 @@ def as_rows(x: Tensor) -> Tensor:
 
 
 def allow_recompiles(n: int) -> None:
-    """torch.compile keeps its graphs per code object, shared by every instance of a class whose method
-    is compiled (StaticTarget's step, a drafter's round): each instance adds a few graphs (shapes that
-    specialise, such as a first pass over an empty cache), more than dynamo's default limit of 8 for a
-    handful of instances. Raise the limit to at least n."""
+    """torch.compile keeps up to dynamo's recompile limit (8 by default) of graphs per code object, then
+    runs the function eager; a compiled step or round adds a graph per shape that specialises. Raise
+    the limit to at least n."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), n))
+
+
+def compile_own(method: Callable, **kwargs: Any) -> Callable:
+    """torch.compile(method, **kwargs) with graphs of its own. torch.compile keeps its graphs per code
+    object, which every instance of a class shares for a compiled method (StaticTarget's step, a
+    drafter's round), and each call checks the guards of the graphs cached before the one it runs: with
+    a few instances of a few graphs each, that check alone took longer than a step's arithmetic
+    (docs/architecture.md, "Performance choices"). The method's function is given a copy of its code
+    object, so this instance's graphs are the only ones its calls check."""
+    import types
+
+    func = method.__func__
+    own = types.FunctionType(func.__code__.replace(), func.__globals__, func.__name__, func.__defaults__,
+                             func.__closure__)
+    own.__kwdefaults__, own.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return torch.compile(types.MethodType(own, method.__self__), **kwargs)
 
 
 def announce_compiling(what: str) -> Callable[[], None]:

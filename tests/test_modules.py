@@ -507,3 +507,31 @@ def test_draft_len_proposes_a_prefix_of_the_full_block(selector):
     assert d.with_config(draft_len=99).config.num_draft_positions == 7
     with pytest.raises(ValueError, match="draft_len"):
         d.with_config(draft_len=0)
+
+
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+def test_compile_own_keeps_each_instances_graphs_apart():
+    """Two instances of a class compile the same method, whose branch differs between them: through
+    torch.compile both graphs sit on the one shared code object, so every call checks the other's guards
+    too; through compile_own each instance's code holds its own graph only, and computes what the eager
+    method does."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from dflash2.layers import compile_own
+
+    class Step:
+        def __init__(self, double: bool) -> None:
+            self.double = double
+
+        def step(self, x):
+            return x * 2 + 1 if self.double else x - 1
+
+    x = torch.randn(3)
+    for double in (True, False):
+        torch.compile(Step(double).step, dynamic=True)(x)
+    assert len(_debug_get_cache_entry_list(Step.step.__code__)) == 2
+    for double in (True, False):
+        fn = compile_own(Step(double).step, dynamic=True)
+        torch.testing.assert_close(fn(x), x * 2 + 1 if double else x - 1)
+        code = fn._torchdynamo_orig_callable.__func__.__code__
+        assert code is not Step.step.__code__ and len(_debug_get_cache_entry_list(code)) == 1

@@ -44,7 +44,7 @@ from torch import Tensor, nn
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
 from .fused import FusedDecoder, Linear
-from ..layers import allow_recompiles, announce_compiling
+from ..layers import allow_recompiles, announce_compiling, compile_own
 from ..tree import TokenTree
 
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
@@ -133,9 +133,9 @@ class StaticTarget(TargetAdapter):
                                       f"target ({self.fused_reason}); leave linear_dtype unset to run the model's layers")
         self.linear_dtype = linear_dtype
         if compile:
-            allow_recompiles(64)  # every StaticTarget shares `_step`'s code: each adds a few graphs
+            allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
         self._compiled, self._warm = compile, set()  # the kinds of pass compiled so far ("single", "batch")
-        self._run = torch.compile(self._step, dynamic=True) if compile else self._step
+        self._run = compile_own(self._step, dynamic=True) if compile else self._step
 
     # -- the cache --------------------------------------------------------------------------------
     def new_cache(self) -> StaticCache:
