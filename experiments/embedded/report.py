@@ -218,7 +218,11 @@ def main() -> int:
                             "configs/bench/regimes.yaml",
                             "Every row of ours runs the target through StaticTarget (the written-out step; in "
                             "batches over its preallocated per-row buffers), our fastest plain decoding at every "
-                            "concurrency; the drafter in bfloat16 where the CPU has it natively (`_bf16`), and at "
+                            "concurrency, in float32 (`_static`) and with bfloat16 matrix products (`_static_bf16mm`: "
+                            "StaticTarget(linear_dtype=\"bfloat16\"), another arithmetic than the model's, so the "
+                            "cells judge the adaptive row through the step of our fastest plain decoding against that "
+                            "plain decoding, and `= plain` gives the share of greedy outputs identical to it); the "
+                            "drafter in bfloat16 where the CPU has it natively (`_bf16`), and at "
                             "batch 1 also with its round compiled (`_compiled`). The adaptive rows skip the draft "
                             "when a plain step pays more and otherwise size each round's verification from the "
                             "costs measured before the timed runs and the acceptance observed so far: "
@@ -242,11 +246,13 @@ def main() -> int:
                             "the first quiet run after those fixes: the policies priced drafting rounds by the model "
                             "alone and drafted 2–5% of the 32-row rounds at a real cost above twice the modelled one; "
                             "0f9b23d, twice: round residuals by a lower median of nine, which newcomers' prefills in a "
-                            "batch could fill).", cells=True)
+                            "batch could fill; e7d05df, float32 only, one-token passes eager).", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
-                            "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, the "
-                            "drafter as in the regimes run) with vLLM's CPU build's plain decoding on the same prompts "
+                            "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, in "
+                            "float32 and with bfloat16 matrix products, `_static_bf16mm`: vLLM's bfloat16 arithmetic "
+                            "for the products only; the drafter as in the regimes run) with vLLM's CPU build's plain "
+                            "decoding on the same prompts "
                             "in the same run, float32 and bfloat16 (the engine's rows after each repetition of ours). "
                             "Issue 32 asks, against vLLM's faster plain decoding: the adaptive row ≥ 2.0× at batch 1 "
                             "greedy, our batched plain decoding ≥ 0.9× at 8 rows, the adaptive row ≥ 1.2× at 8 rows "
@@ -254,7 +260,10 @@ def main() -> int:
                             "docs/results/bench_regimes_vllm/runs/: the AVX2 VM's, whose CPU has no native "
                             "bfloat16 (vLLM's bfloat16 rows were slower there than its float32 ones), and this "
                             "machine's at 210624b (not quiet), d019b62 and 0f9b23d (the policy before its round "
-                            "residuals, and with their first estimator).",
+                            "residuals, and with their first estimator), e7d05df (float32 only), 3c04172 and 7ffafd4 "
+                            "(bfloat16 products added; one-token passes eager), a87b92e (one-token passes compiled, "
+                            "every StaticTarget's graphs on one code object: see docs/architecture.md, \"Performance "
+                            "choices\").",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
@@ -511,11 +520,11 @@ def _regimes_cells(name: str) -> list[str]:
     if data is None:
         return []
     rows, vllm = data["rows"], any(r["method"].startswith("vllm_ar") for r in data["rows"])
-    head = ("| rows | setting | our plain tok/s | best fixed DFlash-2 row | the adaptive row | paired | other adaptive rows | "
-            "asked | met |")
+    head = ("| rows | setting | our plain tok/s | best fixed DFlash-2 row | the adaptive row | paired | = plain | "
+            "other adaptive rows | asked | met |")
     if vllm:
         head = ("| rows | setting | vLLM plain tok/s | our plain / vLLM | best fixed / vLLM | the adaptive row / vLLM | "
-                "adaptive / our plain |")
+                "adaptive / our plain | = plain |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for (c, setting), asked in REGIME_TARGETS.items():
         cell = [r for r in rows if r.get("concurrency", 1) == c and r["setting"] == setting and r.get("tokens_per_s")]
@@ -528,6 +537,8 @@ def _regimes_cells(name: str) -> list[str]:
         adaptive = _adaptive_row(cell, c, plain.get("target_step")) or _adaptive_row(cell, c)
         others = [r for r in cell if "goodput" in r["method"] and r is not adaptive]
         x = lambda r, base=plain: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×"  # noqa: E731
+        same = adaptive.get("same_outputs_as_plain") if adaptive else None
+        same = "—" if same is None else f"{same:.0%}"
         if vllm:
             engines = [r for r in cell if r["method"].startswith("vllm_ar")]
             if not engines:
@@ -536,7 +547,7 @@ def _regimes_cells(name: str) -> list[str]:
             out.append(f"| {c} | {setting} | {engine['tokens_per_s']:.0f} ({engine['method']}) | {x(plain, engine)} | "
                        + (f"{x(fixed, engine)} ({fixed['method']})" if fixed else "—") + " | "
                        + (f"{x(adaptive, engine)} ({adaptive['method']})" if adaptive else "—") + " | "
-                       + (x(adaptive) if adaptive else "—") + " |")
+                       + (x(adaptive) if adaptive else "—") + f" | {same} |")
             continue
         # paired: the median of its ratios to our plain decoding's run of the same prompt (at more rows, the same
         # repetition) through the same target step, measured back to back; met only if both reach it
@@ -549,11 +560,13 @@ def _regimes_cells(name: str) -> list[str]:
         out.append(f"| {c} | {setting} | {plain['tokens_per_s']:.0f} | "
                    + (f"{x(fixed)} ({fixed['method']})" if fixed else "—") + " | "
                    + (f"**{x(adaptive)}** ({adaptive['method']})" if adaptive else "—") + " | "
-                   + (f"{paired:.2f}×" if paired is not None else "—") + " | "
+                   + (f"{paired:.2f}×" if paired is not None else "—") + f" | {same} | "
                    + ", ".join(f"{r['method']} {x(r)}" for r in others) + f" | ≥ {asked:.1f}× | {'yes' if met else 'no'} |")
-    how = ("ratios of total tokens/s" if vllm else "its total tokens/s against our plain decoding's, and paired: the "
+    how = ("ratios of total tokens/s; = plain: the share of the adaptive row's greedy outputs identical to our plain "
+           "decoding's through the same step" if vllm else "its total tokens/s against our plain decoding's, and paired: the "
            "median of its ratios to our plain decoding's run of the same prompt, or at more rows of the same repetition, "
-           "measured back to back; a cell is met when both reach what is asked")
+           "measured back to back; a cell is met when both reach what is asked; = plain: the share of its greedy outputs "
+           "identical to that plain decoding's")
     return ["", f"Issue 32's cells in this run (the adaptive row: `{ADAPTIVE}`, named before the run; the compiled "
             f"drafting round at batch 1, where the run has one; {how}):", "", *out, ""]
 
