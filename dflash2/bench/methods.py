@@ -213,16 +213,21 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
     methods |= {Method("hf_generate"): hf(), Method("hf_prompt_lookup"): hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods[Method("hf_assisted")] = hf(assistant_model=ar_draft)
-    for method, drafter, verify in _drafter_variants(cfg, drafters, block):
-        for step in cfg.target_steps:
-            methods[dataclasses.replace(method, target_step=step)] = ours(drafter, step, **verify)
+    for method, drafter, verify in _drafter_variants(cfg, drafters, block, steps=cfg.target_steps):
+        for step in cfg.target_steps:  # a compiled drafter: one per step (its own graphs for that step's target)
+            d = drafter[step] if isinstance(drafter, dict) else drafter
+            methods[dataclasses.replace(method, target_step=step)] = ours(d, step, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
 
-def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True):
+def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True,
+                      steps: list[str] | tuple[str, ...] = ("hf",)):
     """(Method, drafter at block size `block`, spec_generate's verify arguments) of every drafter
     method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk,
-    tree and adaptive rows with a compiled drafting round."""
+    tree and adaptive rows with a compiled drafting round, whose drafter is a dict: target step → a
+    copy compiled for it. A compiled round keeps a graph per target it drafts for, and every call
+    checks the guards of the graphs before its own, which one drafter shared by two target steps paid
+    on every round (docs/architecture.md, "Performance choices")."""
     for dtype in cfg.drafter_dtypes:
         ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
         if "dflash1" in ds:
@@ -247,8 +252,9 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 for m in cfg.tree_nodes:
                     yield Method("dflash2_tree", dtype, draft_vocab=n, tree_nodes=m), small, dict(verify="tree", tree_nodes=m)
             for n, d in ({None: walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
-                fast = copy.deepcopy(d)
-                fast.compile(dynamic=True)  # each round one graph, compiled on its first calls (the warm-up)
+                fast = {step: copy.deepcopy(d) for step in steps}
+                for one in fast.values():
+                    one.compile(dynamic=True)  # each round one graph, compiled on its first calls (the warm-up)
                 yield Method("dflash2_walk", dtype, compiled=True, draft_vocab=n), fast, {}
                 for m in cfg.tree_nodes:
                     yield (Method("dflash2_tree", dtype, compiled=True, draft_vocab=n, tree_nodes=m), fast,
