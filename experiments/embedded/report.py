@@ -263,7 +263,8 @@ def main() -> int:
                             "residuals, and with their first estimator), e7d05df (float32 only), 3c04172 and 7ffafd4 "
                             "(bfloat16 products added; one-token passes eager), a87b92e (one-token passes compiled, "
                             "every StaticTarget's graphs on one code object: see docs/architecture.md, \"Performance "
-                            "choices\").",
+                            "choices\"), 9b35f97 (each StaticTarget's graphs its own, one compiled drafter shared by "
+                            "both target steps).",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
