@@ -139,9 +139,19 @@ class _Policies:
         return self.policies[full]
 
 
-def _linear_dtype(step: str) -> str | None:
-    """StaticTarget's linear_dtype for a target step ("static_bf16mm": bfloat16 products)."""
-    return "bfloat16" if step == "static_bf16mm" else None
+def _static_targets(target) -> Callable[[str, tuple[int, ...]], Any]:
+    """(target step, target layers read) → the table's compiled StaticTarget for them, made once:
+    "static_bf16mm" with bfloat16 products (linear_dtype)."""
+    from ..target.static import StaticTarget
+
+    made: dict[tuple, Any] = {}
+
+    def get(step: str, layers: tuple[int, ...]):
+        if (step, layers) not in made:
+            made[step, layers] = StaticTarget(target, layers, compile=True,
+                                              linear_dtype="bfloat16" if step == "static_bf16mm" else None)
+        return made[step, layers]
+    return get
 
 
 def _residuals(policy) -> dict[str, float] | None:
@@ -158,22 +168,14 @@ def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
                  stops: list[int], calibrators: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
-    statics: dict[tuple, Any] = {}  # one compiled StaticTarget per step and set of target layers read
-
-    def static(layer_ids: tuple[int, ...], step: str):
-        from ..target.static import StaticTarget
-
-        if (layer_ids, step) not in statics:
-            statics[layer_ids, step] = StaticTarget(target, layer_ids, compile=True, linear_dtype=_linear_dtype(step))
-        return statics[layer_ids, step]
-
+    static = _static_targets(target)
     policy_for = _Policies(1, padded=False, calibrators=calibrators)
 
     def ours(drafter, step="hf", **verify):
         def run(ids, setting, seed):
             g = torch.Generator().manual_seed(seed)
             layers = () if drafter is None else tuple(drafter.target_layer_ids)
-            tgt = target if step == "hf" else static(layers, step)
+            tgt = target if step == "hf" else static(step, layers)
             kw = dict(verify)
             before = None
             if kw.get("policy") == "goodput":
@@ -277,17 +279,10 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        calibrators: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    statics: dict[tuple, Any] = {}  # one StaticTarget per step and set of target layers read (one-token passes compiled)
+    static = _static_targets(target)
 
     def step_for(step: str, drafter):
-        from ..target.static import StaticTarget
-
-        if step == "hf":
-            return target
-        layers = () if drafter is None else tuple(drafter.target_layer_ids)
-        if (layers, step) not in statics:
-            statics[layers, step] = StaticTarget(target, layers, compile=True, linear_dtype=_linear_dtype(step))
-        return statics[layers, step]
+        return target if step == "hf" else static(step, () if drafter is None else tuple(drafter.target_layer_ids))
 
     policy_for = _Policies(concurrency, padded=True, calibrators=calibrators)
 

@@ -131,7 +131,6 @@ class StaticTarget(TargetAdapter):
         if linear_dtype is not None and self.fused is None:
             raise NotImplementedError(f"linear_dtype={linear_dtype} needs the fused step, which does not run this "
                                       f"target ({self.fused_reason}); leave linear_dtype unset to run the model's layers")
-        self.linear_dtype = linear_dtype
         if compile:
             allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
         self._compiled, self._warm = compile, set()  # the kinds of pass compiled so far ("single", "batch")
@@ -219,14 +218,14 @@ class StaticTarget(TargetAdapter):
             for n in (2, 2, 1):
                 self._pass(zeros(1, n), torch.arange(scratch.length, scratch.length + n, device=self.device)[None],
                            scratch, None, None)
-        for rows in ((2, 1) if kind == "batch" else ()):
-            scratch, pos = StaticCache(), torch.arange(2, device=self.device).expand(rows, 2)
-            self.forward_masked(zeros(rows, 2), pos, pos, torch.ones(rows, 2, 2, dtype=torch.bool).tril(), scratch)
-            for _ in range(2):
-                S = scratch.length
-                self.forward_masked(zeros(rows, 1), torch.full((rows, 1), S, device=self.device),
-                                    torch.arange(S + 1, device=self.device).expand(rows, S + 1),
-                                    torch.ones(rows, 1, S + 1, dtype=torch.bool), scratch)
+        else:
+            for rows in (2, 1):  # a prefill (eager), then two one-token passes
+                scratch, pos = StaticCache(), torch.arange(2, device=self.device).expand(rows, 2)
+                self.forward_masked(zeros(rows, 2), pos, pos, torch.ones(rows, 2, 2, dtype=torch.bool).tril(), scratch)
+                for S in (2, 3):
+                    self.forward_masked(zeros(rows, 1), torch.full((rows, 1), S, device=self.device),
+                                        torch.arange(S + 1, device=self.device).expand(rows, S + 1),
+                                        torch.ones(rows, 1, S + 1, dtype=torch.bool), scratch)
         done()
 
     def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None) -> dict[str, Tensor | None]:
@@ -284,9 +283,9 @@ class StaticTarget(TargetAdapter):
         start = cache.length
         if cache.keys and cache.rows != R:
             raise ValueError(f"the pass has {R} rows, the cache {cache.rows}")
-        self._reserve_rows(cache, R, start + W)
         if self._compiled and "batch" not in self._warm:
             self._warm_up("batch")
+        self._reserve_rows(cache, R, start + W)
         masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()
         if self.fused is not None:
