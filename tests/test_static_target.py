@@ -179,6 +179,33 @@ def test_the_compiled_step_is_lossless():
     assert [r.sequences[0].tolist() for r in rows] == want
 
 
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+def test_the_compiled_step_compiles_only_while_warming_up():
+    """Once warmed up, passes of other rows, widths and cache lengths run the graphs the warm-up compiled:
+    it marks the sizes a decode varies dynamic, so no graph specialises on a size it happened to see (a
+    tree's width, three rows, the scratch cache's length). A compile inside a decode would land in a
+    timed run; a graph specialised on a size would be compiled again for every new one."""
+    drafter = exact.DRAFTERS["sampled_walk_sparse_q"]()
+    tgt = StaticTarget(exact.target(), tuple(drafter.target_layer_ids), compile=True)
+    plain = StaticTarget(exact.target(), compile=True)
+    for t in (tgt, plain):
+        t._warm_up("single")
+        t._warm_up("batch")
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    before = graphs()
+    prompts = [[1, 2, 0, 1, 1, 2, 0, 2, 1], [0], [2, 2, 1], [1, 0], [2, 1, 1, 0, 2]]
+    for prompt in prompts[:2]:
+        ar_generate(plain, torch.tensor([prompt]), max_new_tokens=9)
+        for verify, nodes in (("path", 15), ("tree", 4), ("tree", 9)):
+            spec_generate(drafter, tgt, torch.tensor([prompt]), max_new_tokens=12, verify=verify, tree_nodes=nodes)
+    ids, mask = left_pad(prompts)
+    for rows in (5, 4, 2):  # continuous batching: the rows in flight shrink as rows finish
+        ar_generate_batch(plain, ids, mask, max_new_tokens=7, concurrency=rows)
+        spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=7, concurrency=rows, verify="tree", tree_nodes=4,
+                            policy=SkipEveryOther())
+    assert graphs() == before
+
+
 class SkipEveryOther:
     """A policy whose every other round drafts nothing (a batch's plain one-token step), the rest verify in full."""
 

@@ -16,7 +16,7 @@ so a rollback only moves the length back), and a mask built from positions. By d
 are not called as modules but written out (`dflash2.target.fused`: q/k/v and gate/up as one matrix
 each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
 calls the model's layer modules as above. The step can be put through `torch.compile`
-(`compile=True`: dynamic shapes, so the growing cache length compiles once per pass width), as
+(`compile=True`: shapes warmed up dynamic, so the growing cache compiles once per kind of pass), as
 gpt-fast compiles its decoder; prefills stay eager; the eager path is the same function.
 
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
@@ -89,7 +89,7 @@ class StaticTarget(TargetAdapter):
     """A TargetAdapter whose batch-1 passes run the model's layers directly over a StaticCache.
 
     capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
-    compile: put the step through torch.compile(dynamic=True), compiled before the first pass (batch 1:
+    compile: put the step through torch.compile (dynamic rows, widths and slots), compiled before the first pass (batch 1:
            every pass but a prefill; batches: one-token passes).
     fused: run the decoder written out (dflash2.target.fused: q/k/v and gate/up as one matrix each,
            oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
@@ -134,7 +134,10 @@ class StaticTarget(TargetAdapter):
         if compile:
             allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
         self._compiled, self._warm = compile, set()  # the kinds of pass compiled so far ("single", "batch")
-        self._run = compile_own(self._step, dynamic=True) if compile else self._step
+        # automatic dynamic shapes, the sizes a decode varies marked dynamic while warming up (_warm_up): the
+        # weights and the model's constants stay static, so a call's guards are few (dynamic=True made every
+        # size symbolic, the weights' too, and Python-evaluated guards on them cost more than a layer's work)
+        self._run = compile_own(self._step, dynamic=None) if compile else self._step
 
     # -- the cache --------------------------------------------------------------------------------
     def new_cache(self) -> StaticCache:
@@ -208,18 +211,35 @@ class StaticTarget(TargetAdapter):
     def _warm_up(self, kind: str) -> None:
         """Compile the step's graphs for one kind of pass on a scratch cache before the first real one,
         so no compilation lands inside a timed decode: "single" (batch 1: one token; two or more) or
-        "batch" (a batch's one-token pass, at two rows and at one, which dynamic shapes specialise)."""
+        "batch" (a batch's one-token pass, at several rows and at one, which compiles apart). While
+        warming up, every size a decode varies (rows, pass width, slots; the start changes between
+        passes) is marked dynamic on each call, so that those graphs serve every later pass."""
         self._warm.add(kind)
+        compiled = self._run
+
+        def marking(ids, positions, masks, keys, values, start):
+            _vary(ids, positions, *(m for m in masks.values() if m is not None))
+            _vary(*keys, *values, dims=(0, 2))  # rows, slots (heads and head size are the model's)
+            return compiled(ids, positions, masks, keys, values, start)
+
+        self._run = marking
+        try:
+            with torch.no_grad():  # as the passes run (a graph traced with grad mode on is not theirs)
+                self._warm_up_passes(kind)
+        finally:
+            self._run = compiled
+
+    def _warm_up_passes(self, kind: str) -> None:
         done = announce_compiling("the target's StaticTarget step" + (" for batches" if kind == "batch" else ""))
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.long, device=self.device)  # noqa: E731
         if kind == "single":
             scratch = StaticCache()
-            self._reserve(scratch, 8)
-            for n in (2, 2, 1):
+            self._reserve(scratch, 16)
+            for n in (2, 2, 3, 1, 1):  # a prefill (eager); wider passes, then one-token ones, at growing starts
                 self._pass(zeros(1, n), torch.arange(scratch.length, scratch.length + n, device=self.device)[None],
                            scratch, None, None)
         else:
-            for rows in (2, 1):  # a prefill (eager), then two one-token passes
+            for rows in (3, 1):  # a prefill (eager), then two one-token passes
                 scratch, pos = StaticCache(), torch.arange(2, device=self.device).expand(rows, 2)
                 self.forward_masked(zeros(rows, 2), pos, pos, torch.ones(rows, 2, 2, dtype=torch.bool).tril(), scratch)
                 for S in (2, 3):
@@ -374,6 +394,15 @@ class StaticTarget(TargetAdapter):
                 index = (start + slots).to(self.device)[:, None, :, None].expand(R, b.shape[1], n, b.shape[3])
                 b[:, :, start: start + n] = b.gather(2, index)
         cache.length = start + n
+
+
+def _vary(*tensors: Tensor, dims: tuple[int, ...] | None = None) -> None:
+    """Mark `dims` (default: all) of each tensor dynamic for torch.compile, but a dim of size 1 (which
+    compiles apart: a graph for one row, one for a one-token pass)."""
+    for t in tensors:
+        for d in range(t.dim()) if dims is None else dims:
+            if t.shape[d] > 1:
+                torch._dynamo.maybe_mark_dynamic(t, d)
 
 
 def _dtype(name: torch.dtype | str | None) -> torch.dtype | None:
