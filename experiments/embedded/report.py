@@ -246,11 +246,13 @@ def main() -> int:
                             "the first quiet run after those fixes: the policies priced drafting rounds by the model "
                             "alone and drafted 2–5% of the 32-row rounds at a real cost above twice the modelled one; "
                             "0f9b23d, twice: round residuals by a lower median of nine, which newcomers' prefills in a "
-                            "batch could fill; e7d05df, float32 only, one-token passes eager). The run in the table (f790491) "
-                            "started at a 1-minute load average of 0.95, left by the run before it (other processes' "
-                            "CPU 0.01 s per s): not the quiet start asked for; it was not rerun for lack of time, "
-                            "and its compiled batch-1 rows of both target steps shared one compiled drafter (since "
-                            "9971ebb, one per step).", cells=True)
+                            "batch could fill; e7d05df, float32 only, one-token passes eager; f790491, bfloat16 products and compiled "
+                            "one-token passes, started at a 1-minute load average of 0.95 left by the run before it, "
+                            "its compiled batch-1 rows of both target steps sharing one compiled drafter). The run in "
+                            "the table (425745d: one compiled drafter per target step, the StaticTarget step compiled "
+                            "with the sizes a decode varies marked dynamic) started quiet: 1-minute load average 0.24, "
+                            "other processes' CPU 0.01 s per s (the load average after a table is the run's own two "
+                            "threads).", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, in "
@@ -268,9 +270,12 @@ def main() -> int:
                             "(bfloat16 products added; one-token passes eager), a87b92e (one-token passes compiled, "
                             "every StaticTarget's graphs on one code object: see docs/architecture.md, \"Performance "
                             "choices\"), 9b35f97 (each StaticTarget's graphs its own, one compiled drafter shared by "
-                            "both target steps), 9971ebb. The runs of 2026-12-04 22:21 to 2026-12-05 00:01 started "
-                            "with other processes' CPU at 0.01 s per s or less but 1-minute load averages of 0.6–1.5, "
-                            "left by the job before each; the table's run started at 0.08.",
+                            "both target steps), 9971ebb, 15b963b (2026-12-05 00:26, quiet start: vLLM's bfloat16 plain decoding at 3454 "
+                            "tokens/s at 8 rows, our plain decoding 0.85× it). The runs of 2026-12-04 22:21 to "
+                            "2026-12-05 00:01 started with other processes' CPU at 0.01 s per s or less but 1-minute "
+                            "load averages of 0.6–1.5, left by the job before each; 425745d at 02:26 (load average 0.31 at "
+                            "its start) and the table's run after it (425745d plus edits to docs, 02:38; 0.14) "
+                            "started quiet, other processes' CPU 0.01 s per s.",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
