@@ -87,12 +87,12 @@ class Calibrator:
         observed = min(num_accepted + 1, num_verified, self.seen.shape[0])
         if observed == 0:
             return
-        c = confidence[:observed].detach().cpu()
-        t = torch.arange(observed)
-        b = self._bin(c)
-        self.seen[t, b] += 1
-        self.accepted[t, b] += (t < num_accepted).double()
-        self.predicted[t, b] += c.double()
+        c = confidence[:observed].detach().cpu().double()
+        cell = torch.arange(observed) * self.bins + self._bin(c)  # (position, bin) flattened: distinct cells
+        self.seen.view(-1).index_add_(0, cell, torch.ones(observed, dtype=torch.float64))
+        self.accepted.view(-1).index_add_(0, cell[:num_accepted], torch.ones(min(num_accepted, observed),
+                                                                               dtype=torch.float64))
+        self.predicted.view(-1).index_add_(0, cell, c)
 
     def calibrate(self, confidence: Tensor) -> Tensor:
         """c [..., L] raw → [..., L] calibrated (positions past the table's reuse its last row)."""
@@ -127,12 +127,25 @@ class NodeRates:
             raise ValueError(f"NodeRates needs nodes >= 1, 0 <= prior <= 1 and prior_strength > 0, got "
                              f"{nodes}, {prior}, {prior_strength}")
         self.prior, self.prior_strength = prior, prior_strength
-        self.seen = torch.zeros(nodes, dtype=torch.float64)  # rounds that verified node i
-        self.accepted = torch.zeros(nodes, dtype=torch.float64)  # ... and accepted it
+        # counts as Python lists: a policy reads and updates them every round, a few dozen numbers, where
+        # each tensor operation would cost more than the arithmetic
+        self._seen = [0] * nodes  # rounds that verified node i
+        self._accepted = [0] * nodes  # ... and accepted it
+        self._rates: list[float] | None = None  # rate_list(), until the next observe
 
     @property
     def nodes(self) -> int:
-        return self.seen.shape[0]
+        return len(self._seen)
+
+    @property
+    def seen(self) -> Tensor:
+        """[nodes] float64: rounds that verified node i."""
+        return torch.tensor(self._seen, dtype=torch.float64)
+
+    @property
+    def accepted(self) -> Tensor:
+        """[nodes] float64: rounds that verified node i and accepted it."""
+        return torch.tensor(self._accepted, dtype=torch.float64)
 
     def observe(self, num_verified: int, accepted: list[int]) -> None:
         """A round verified the first num_verified nodes and accepted `accepted` (node indices)."""
@@ -140,13 +153,23 @@ class NodeRates:
                 or len(set(accepted)) != len(accepted):
             raise ValueError(f"need distinct accepted nodes ({accepted}) among the {num_verified} verified, "
                              f"at most {self.nodes}")
-        self.seen[:num_verified] += 1
-        self.accepted[torch.tensor(accepted, dtype=torch.long)] += 1
+        seen, taken = self._seen, self._accepted
+        for i in range(num_verified):
+            seen[i] += 1
+        for i in accepted:
+            taken[i] += 1
+        self._rates = None
+
+    def rate_list(self) -> list[float]:
+        """a [nodes] as Python floats (what a policy reads every round)."""
+        if self._rates is None:
+            m, prior = self.prior_strength, self.prior
+            self._rates = [(a + m * prior) / (n + m) for a, n in zip(self._accepted, self._seen)]
+        return self._rates
 
     def rates(self) -> Tensor:
         """a [nodes] float64."""
-        m = self.prior_strength
-        return (self.accepted + m * self.prior) / (self.seen + m)
+        return torch.tensor(self.rate_list(), dtype=torch.float64)
 
 
 __all__ = ["Calibrator", "NodeRates", "expected_accepted", "lattice_confidence", "survival"]

@@ -30,7 +30,7 @@ from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates, RoundContext
-from .layers import allow_recompiles, announced_first_call, compile_own
+from .layers import allow_recompiles, announce_compiling, compile_own
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -384,7 +384,25 @@ class DFlash2Drafter(nn.Module):
         allow_recompiles(64)  # a graph per shape that specialises
         if args:
             raise TypeError("DFlash2Drafter.compile takes torch.compile's options as keywords")
-        self._round = announced_first_call(compile_own(self._round, **kwargs), "the drafter's round")
+        for device in {p.device for p in self.parameters()}:  # the rotary table as a decode finds it (a graph
+            self.backbone.rotary.inverse_frequencies(device)     # traced before it is filled is traced again after)
+        self._round = compile_own(self._round, **kwargs)
+        self._warmed: set[bool] = set()  # the kinds of round (lattice or not) compiled so far
+
+    def _warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
+        """Compile the round's graphs before the first real round, on scratch caches, so that no
+        compilation lands inside a timed decode: a first round (no context yet) over several features
+        and over one, later rounds over several and over one, after a context of one (a one-token
+        prompt) too. Sizes 0 and 1 of the context and of the features compile apart; the sizes between
+        are dynamic."""
+        self._warmed.add(lattice)
+        done = announce_compiling("the drafter's round")
+        features = lambda n: torch.zeros(1, n, like.shape[-1], dtype=like.dtype, device=like.device)  # noqa: E731
+        for sizes in ((3, 2, 1), (1, 1), (1, 2)):  # the features each round reads, from an empty context on
+            scratch = self.new_cache()
+            for n in sizes:
+                self.draft_round(scratch, 0, features(n), target, lattice)
+        done()
 
     def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
                     lattice: bool = True) -> "RoundScores":
@@ -393,6 +411,8 @@ class DFlash2Drafter(nn.Module):
         draft positions (with the selector's lattice when `lattice`)."""
         B, device = self.config.block_size, new_features.device
         dtype = self.backbone.fc.weight.dtype
+        if getattr(self, "_warmed", None) is not None and lattice not in self._warmed:  # compiled, this kind not yet
+            self._warm_up(target, new_features, lattice)
         if not cache.keys:  # the first round: no context yet
             empty = lambda: torch.zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim,  # noqa: E731
                                         dtype=dtype, device=device)
@@ -408,7 +428,10 @@ class DFlash2Drafter(nn.Module):
                         self.embed_block(ids, target), torch.arange(length, length + B, device=device),
                         torch.arange(length - kept, length + B, device=device),  # the context it sees, the block
                         self.head_weights(target, dtype), torch.tensor(anchor, device=device), lattice)
-        cache.keys, cache.values, cache.length = s.keys, s.values, length
+        # contiguous, as eager's concatenation gives them (a compiled first round may hand back a view of the
+        # projection): a layout that changes from round to round would be a graph per layout
+        cache.keys, cache.values = [k.contiguous() for k in s.keys], [v.contiguous() for v in s.values]
+        cache.length = length
         reads = self.candidate_selector.reads_context
         if s.cands is None:  # a head with its own forward, or a selector that reads the round's context:
             if reads:  # candidates and lattice outside the graph

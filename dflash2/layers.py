@@ -209,17 +209,3 @@ def announce_compiling(what: str) -> Callable[[], None]:
     return lambda: print(f"compiled {what} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
-def announced_first_call(fn: Callable, what: str) -> Callable:
-    """`fn` (a torch.compile'd function) whose first call is announced by `announce_compiling`."""
-    state = {"first": True}
-
-    def call(*args, **kwargs):
-        if not state["first"]:
-            return fn(*args, **kwargs)
-        state["first"] = False
-        done = announce_compiling(what)
-        out = fn(*args, **kwargs)
-        done()
-        return out
-
-    return call

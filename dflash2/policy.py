@@ -474,7 +474,7 @@ class GoodputPolicy:
             self._probing = False
             widths = [d.tokens.shape[0] for d in drafts]
         else:
-            widths = self._round_rate([self.curve(d) if d.tokens.shape[0] else [] for d in drafts], draft_s)[0]
+            widths = self._round_rate(self.curves(drafts), draft_s)[0]
         if drafted:
             self.chosen.update(widths)
         if self._round is not None and self._round.kind == "draft":  # the round's model, when it is a sample
@@ -494,7 +494,17 @@ class GoodputPolicy:
     def curve(self, draft: Draft) -> list[float]:
         """[L] the survival of the draft's calibrated confidences: verifying its first n tokens accepts
         the sum of the first n in expectation."""
-        return survival(self.confidence(draft)).tolist()
+        return self.curves([draft])[0]
+
+    def curves(self, drafts: list[Draft]) -> list[list[float]]:
+        """curve() of every row's draft, calibrated in one go ([] for a row that drafted nothing)."""
+        lengths = [d.tokens.shape[0] for d in drafts]
+        if not any(lengths):
+            return [[] for _ in drafts]
+        raw = torch.nn.utils.rnn.pad_sequence([self._raw(d) for d in drafts], batch_first=True,
+                                              padding_value=UNKNOWN_CONFIDENCE)  # [rows, longest]
+        s = survival(self.calibrator.calibrate(raw)).tolist()
+        return [row[:n] for row, n in zip(s, lengths)]
 
     def expected_curve(self) -> list[float]:
         """[positions] what curve() expects of a round not drafted yet (drafts())."""
@@ -525,11 +535,12 @@ class TreeGoodputPolicy(GoodputPolicy):
             raise ValueError(f"TreeGoodputPolicy(positions={self.positions}) got a draft of {draft.tokens.shape[0]} "
                              "nodes: give it positions=tree_nodes")
 
-    def curve(self, draft) -> list[float]:
-        return self.rates.rates()[: draft.tokens.shape[0]].tolist()
+    def curves(self, drafts) -> list[list[float]]:
+        rates = self.rates.rate_list()
+        return [rates[: d.tokens.shape[0]] for d in drafts]
 
     def expected_curve(self) -> list[float]:
-        return self.rates.rates()[: self.positions].tolist()
+        return self.rates.rate_list()[: self.positions]
 
     def observe(self, draft, verified: int, accepted: list[int]) -> None:
         if verified:
@@ -560,15 +571,17 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
     """best_widths for a padded pass: the cap W maximising (Σ_r 1 + Σ_{t<=min(W, L_r)} s_r,t) /
     round_s(rows × (W + 1)) → each row's width min(W, L_r)."""
     rows = len(curves)
-    longest = max((len(c) for c in curves), default=0)
-    sums = [list(accumulate(c, initial=0.0)) for c in curves]  # sums[r][w]: row r's first w values
-    best, best_cap_ = -1.0, 0
-    for cap in range(longest + 1):
-        gain = rows + sum(s[min(cap, len(s) - 1)] for s in sums)
-        rate = gain / max(round_s(rows * (cap + 1)), 1e-12)
-        if rate > best:
-            best, best_cap_ = rate, cap
-    return [min(best_cap_, len(c)) for c in curves]
+    # identical curves (every row of a tree policy's expected round; rows of full trees) summed once
+    groups = Counter(tuple(c) for c in curves)
+    longest = max(map(len, groups), default=0)
+    gains = [float(rows)] * (longest + 1)  # gains[W]: the tokens a round capped at W commits in expectation
+    for curve, k in groups.items():
+        sums = list(accumulate(curve, initial=0.0))  # sums[w]: the curve's first w values
+        sums += [sums[-1]] * (longest + 1 - len(sums))
+        gains = [g + k * v for g, v in zip(gains, sums)]
+    rates = [g / max(round_s(rows * (cap + 1)), 1e-12) for cap, g in enumerate(gains)]
+    best = max(range(longest + 1), key=rates.__getitem__)  # the first best: the narrowest on a tie
+    return [min(best, len(c)) for c in curves]
 
 
 __all__ = ["CostModel", "FixedWidth", "GoodputPolicy", "TreeGoodputPolicy", "best_cap", "best_widths", "profile_draft",

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,18 +70,27 @@ class TokenTree(NamedTuple):
     def block(self) -> tuple[Tensor, Tensor]:
         """The pass over [anchor, nodes]: depth [M+1] (0 for the anchor; positions are the anchor's
         plus depth) and visible [M+1, M+1] bool (row i sees the anchor, itself and its ancestors)."""
-        M = len(self.tokens)
-        if self.parents.tolist() == list(range(-1, M - 1)):  # a chain (a path): depth = index, causal mask
+        M, parents = len(self.tokens), self.parents.tolist()
+        if parents == list(range(-1, M - 1)):  # a chain (a path): depth = index, causal mask
             return torch.arange(M + 1), torch.ones(M + 1, M + 1, dtype=torch.bool).tril()
-        depth = torch.cat([torch.zeros(1, dtype=torch.long), self.depths()])
-        visible = torch.eye(M + 1, dtype=torch.bool)
-        visible[:, 0] = True  # every node sees the anchor
-        visible[1:, 1:] = self.ancestor_mask()
-        return depth, visible
+        depth, rows = [0], [[True] + [False] * M]  # the anchor sees itself (and the cache)
+        for i, p in enumerate(parents):  # (Python lists: a tensor operation per node costs more than the tree)
+            depth.append(depth[p + 1] + 1)
+            row = rows[p + 1].copy()  # what its parent sees (the anchor, its ancestors), and itself
+            row[i + 1] = True
+            rows.append(row)
+        return torch.tensor(depth), torch.tensor(rows)
 
     def children(self, node: int) -> list[int]:
         """Node indices under `node` (-1 for the anchor), in try order."""
         return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+
+    def children_lists(self) -> dict[int, list[int]]:
+        """children() of every node that has some (-1: the anchor), read once."""
+        out: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parents.tolist()):
+            out.setdefault(p, []).append(i)
+        return out
 
     def depths(self) -> Tensor:
         """[M]: 1 for children of the anchor, and so on (positions are anchor position + depth)."""
@@ -91,13 +101,7 @@ class TokenTree(NamedTuple):
 
     def ancestor_mask(self) -> Tensor:
         """[M, M] bool: node i may attend to node j iff j is i or an ancestor of i (tree attention)."""
-        M, parents = len(self.tokens), self.parents.tolist()
-        mask = torch.eye(M, dtype=torch.bool)
-        for i in range(M):
-            p = parents[i]
-            if p >= 0:
-                mask[i] |= mask[p]
-        return mask
+        return self.block()[1][1:, 1:]
 
     def validate(self) -> None:
         parents = self.parents.tolist()
@@ -121,14 +125,14 @@ def verify_tree(tree: TokenTree, logits: Tensor, params: SamplingParams, rng: Ra
     """logits [M+1, V]: row 0 after the anchor, row i+1 after node i."""
     if logits.shape[0] != len(tree.tokens) + 1:
         raise ValueError(f"expected logits for {len(tree.tokens) + 1} rows, got {logits.shape[0]}")
-    tokens = tree.tokens.tolist()
+    tokens, kids = tree.tokens.tolist(), tree.children_lists()
     path: list[int] = []
     node = -1
     if params.greedy:
         choice = greedy_token(logits).tolist()
         while True:
             x = choice[node + 1]
-            nxt = next((c for c in tree.children(node) if tokens[c] == x), None)
+            nxt = next((c for c in kids.get(node, ()) if tokens[c] == x), None)
             if nxt is None:
                 return TreeVerdict(path, x)
             path.append(nxt)
@@ -137,7 +141,7 @@ def verify_tree(tree: TokenTree, logits: Tensor, params: SamplingParams, rng: Ra
     while True:
         residual = probs[node + 1].clone()
         accepted = None
-        for child in tree.children(node):
+        for child in kids.get(node, ()):
             tok = tokens[child]
             if rng.bernoulli(min(1.0, float(residual[tok]))):
                 accepted = child
@@ -159,24 +163,43 @@ def best_first_tree(ids: Tensor, first: Tensor, steps: Tensor, max_nodes: int) -
     along its path; values only fall with depth, so the best nodes form a prefix-closed set, grown
     best-first from the anchor. Siblings come out best first, which is the order they are tried.
     The selector's greedy path is the tree's first branch.
+
+    Nodes leave a heap keyed (-value, depth, candidate, parent) in order. A node's successors are
+    pushed one at a time, best first (ties: the lower candidate first): its best child when it is
+    taken, and its next sibling when it is taken, so the heap holds about two entries per node
+    rather than K. Every node not pushed yet ranks after one that is (its previous sibling, or its
+    parent), so the nodes come out as from a heap of all of them (siblings whose log-probabilities
+    differ by less than the rounding of their path's value may swap: equal values, either order
+    best-first).
     """
     L, K = ids.shape
     if L == 0 or max_nodes <= 0:
         return TokenTree.empty(ids.device)
-    log_first = first.double().log_softmax(-1).tolist()
-    log_steps = steps.double().log_softmax(-1)  # [L-1, K, K]
+    log_first = first.detach().double().log_softmax(-1).cpu()
+    log_steps = steps.detach().double().log_softmax(-1).cpu()  # [L-1, K, K]
+    # successors best first, ties in candidate order; numpy rows: a node's successors read in microseconds
+    step_values = log_steps.numpy()
+    step_order = np.argsort(-step_values, axis=-1, kind="stable")
     cand = ids.tolist()
-    heap = [(-log_first[k], 0, k, -1) for k in range(K)]  # (-value, depth, candidate, parent node)
-    heapq.heapify(heap)
+    # per expanded node (the anchor last, at index -1): (successors best first, their log-probabilities, -value)
+    rows = [(log_first.argsort(descending=True, stable=True).tolist(), log_first.tolist(), 0.0)]
+    heap = [(-rows[0][1][rows[0][0][0]], 0, rows[0][0][0], -1, 0)]  # (-value, depth, candidate, parent, rank)
+    expanded = {-1: 0}  # node → its entry in rows
     tokens: list[int] = []
     parents: list[int] = []
     while heap and len(tokens) < max_nodes:
-        neg, t, k, parent = heapq.heappop(heap)
+        neg, t, k, parent, rank = heapq.heappop(heap)
         node = len(tokens)
         tokens.append(cand[t][k])
         parents.append(parent)
-        if t + 1 < L:
-            for j, lp in enumerate(log_steps[t, k].tolist()):
-                heapq.heappush(heap, (neg - lp, t + 1, j, node))
+        order, values, base = rows[expanded[parent]]
+        if rank + 1 < K:  # the next sibling
+            j = order[rank + 1]
+            heapq.heappush(heap, (base - values[j], t, j, parent, rank + 1))
+        if t + 1 < L:  # the best child
+            order, values = step_order[t, k].tolist(), step_values[t, k].tolist()
+            expanded[node] = len(rows)
+            rows.append((order, values, neg))
+            heapq.heappush(heap, (neg - values[order[0]], t + 1, order[0], node, 0))
     as_long = lambda v: torch.tensor(v, dtype=torch.long, device=ids.device)  # noqa: E731
     return TokenTree(as_long(tokens), as_long(parents))

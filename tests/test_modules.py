@@ -334,6 +334,40 @@ def test_a_compiled_drafting_round_drafts_what_the_eager_one_does(variant):
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+def test_a_compiled_drafter_compiles_only_while_warming_up():
+    """The warm-up before a compiled drafter's first round compiles every graph its rounds need: decodes
+    greedy and sampled (rounds that read one feature, after a rejection, and several), paths and trees,
+    short and long prompts, compile nothing more. A graph compiled inside a decode would land in a timed
+    run (a sampled decode's first round over one feature did), and each graph more is a guard check
+    more on every round."""
+    from dflash2 import spec_generate
+
+    target = copy.deepcopy(tiny_target("qwen3", vocab=5)).float()  # a vocabulary of 5: chance acceptances
+    torch.manual_seed(7)
+    drafter = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=4,
+                                         selector_top_k=3).float().eval()
+    drafter.compile(dynamic=True)
+    adapter = TargetAdapter(target, drafter.target_layer_ids)
+    width = len(drafter.target_layer_ids) * target.config.hidden_size
+    with torch.no_grad():
+        for lattice in (True, False):
+            drafter._warm_up(adapter, torch.zeros(1, 1, width), lattice)
+    graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+    before = graphs()
+    g = torch.Generator().manual_seed(3)
+    rounds = []
+    for length in (1, 2, 9):
+        prompt = torch.randint(0, 4, (1, length), generator=g)
+        for temperature in (0.0, 1.0):
+            for verify in ("path", "tree"):
+                out = spec_generate(drafter, adapter, prompt, max_new_tokens=16, temperature=temperature, verify=verify,
+                                    tree_nodes=5, generator=g)
+                rounds += out.acceptance_lengths
+    assert 1 in rounds and max(rounds) > 2  # rounds after a rejection (one feature) and after acceptances
+    assert graphs() == before
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_context_batch_follows_each_row_across_rounds(window):
     """One ContextBatch for rows that join late, grow by different amounts each round and leave: the

@@ -149,6 +149,45 @@ def test_best_first_tree_holds_the_most_probable_nodes(L, K, max_nodes, seed):
     assert branch == walk[: len(branch)]
 
 
+def full_heap_tree(ids, first, steps, max_nodes) -> TokenTree:
+    """best_first_tree's order by the plain algorithm: every successor of a taken node pushed at once."""
+    import heapq
+
+    L, K = ids.shape
+    log_first, log_steps = first.double().log_softmax(-1).tolist(), steps.double().log_softmax(-1)
+    heap = [(-log_first[k], 0, k, -1) for k in range(K)]
+    heapq.heapify(heap)
+    tokens, parents = [], []
+    while heap and len(tokens) < max_nodes:
+        neg, t, k, parent = heapq.heappop(heap)
+        node = len(tokens)
+        tokens.append(int(ids[t, k]))
+        parents.append(parent)
+        if t + 1 < L:
+            for j, lp in enumerate(log_steps[t, k].tolist()):
+                heapq.heappush(heap, (neg - lp, t + 1, j, node))
+    return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+
+@settings(max_examples=60, deadline=None)
+@given(L=st.integers(1, 5), K=st.integers(1, 6), max_nodes=st.integers(1, 40), seed=st.integers(0, 10**6),
+       ties=st.booleans())
+def test_best_first_tree_takes_the_nodes_in_the_full_heaps_order(L, K, max_nodes, seed, ties):
+    """Pushing a node's successors one at a time (best_first_tree) takes the same nodes in the same order
+    as pushing them all: ties included (small integer scores repeat, so values tie across siblings,
+    cousins and depths, and the heap's candidate and parent order decides)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(50, generator=g)[:K] for _ in range(L)])
+    if ties:
+        first = torch.randint(0, 3, (K,), generator=g).double()
+        steps = torch.randint(0, 3, (max(L - 1, 0), K, K), generator=g).double()
+    else:
+        first, steps = torch.randn(K, generator=g, dtype=torch.float64), torch.randn(L - 1, K, K, generator=g,
+                                                                                     dtype=torch.float64)
+    ours, plain = best_first_tree(ids, first, steps, max_nodes), full_heap_tree(ids, first, steps, max_nodes)
+    assert ours.tokens.tolist() == plain.tokens.tolist() and ours.parents.tolist() == plain.parents.tolist()
+
+
 # -- greedy equality through the loop -------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def dflash_drafter(arch: str, block_size: int, selector: str) -> DFlash2Drafter:

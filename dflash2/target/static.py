@@ -372,6 +372,19 @@ class StaticTarget(TargetAdapter):
                 b[R: R + n, :, L - S2: L] = t[:n, :, :S2]
         cache.rows, cache.length = R + n, L
 
+    def keep(self, cache, step: TargetStep, rows: list[int]) -> None:
+        """TargetAdapter.keep on a one-row StaticCache: of the kept entries (the anchor and a tree's
+        accepted path, ascending) only those not in place already move, each buffer in two operations."""
+        if not isinstance(cache, StaticCache) or cache.rows != 1:
+            return super().keep(cache, step, rows)
+        n = len(rows)
+        moved = next((i for i, r in enumerate(rows) if r != i), n)  # rows[:moved] are in place
+        if moved < n:
+            src = torch.tensor([step.start + r for r in rows[moved:]], device=self.device)
+            for b in cache.keys + cache.values:  # [1, kv, slots, hd]; index_select copies before the write
+                b[:, :, step.start + moved: step.start + n] = b.index_select(2, src)
+        cache.length = step.start + n
+
     def keep_slots(self, cache, slots: Tensor) -> None:
         """Keep only the slots `slots` (ascending), in every row, moved to the front."""
         if not isinstance(cache, StaticCache):
