@@ -249,11 +249,15 @@ def main() -> int:
                             "batch could fill; e7d05df, float32 only, one-token passes eager; f790491, bfloat16 products and "
                             "compiled "
                             "one-token passes, started at a 1-minute load average of 0.95 left by the run before it, "
-                            "its compiled batch-1 rows of both target steps sharing one compiled drafter). The run in "
-                            "the table (425745d: one compiled drafter per target step, the StaticTarget step compiled "
-                            "with the sizes a decode varies marked dynamic) started quiet: 1-minute load average 0.24, "
-                            "other processes' CPU 0.01 s per s (the load average after a table is the run's own two "
-                            "threads).", cells=True)
+                            "its compiled batch-1 rows of both target steps sharing one compiled drafter), 425745d "
+                            "(one compiled drafter per target step, the StaticTarget step compiled with the sizes a "
+                            "decode varies marked dynamic; quiet start, load average 0.24; three cells met) and "
+                            "abb1270 at 05:43 (load average 0.50 at its start; three cells met). The run in the "
+                            "table (abb1270 at 05:12: the round's Python made cheaper, the compiled drafter warmed "
+                            "up before its first round, tree policies' node rates from a prior worth two rounds) "
+                            "started quiet: 1-minute load average 0.23, other processes' CPU 0.015 s per s (the load "
+                            "average after a table is the run's own two threads); this VM ran slower in both abb1270 "
+                            "runs than in 425745d's.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, in "
@@ -276,8 +280,9 @@ def main() -> int:
                             "tokens/s at 8 rows, our plain decoding 0.85× it). The runs of 2026-12-04 22:21 to "
                             "2026-12-05 00:01 started with other processes' CPU at 0.01 s per s or less but 1-minute "
                             "load averages of 0.6–1.5, left by the job before each; 425745d at 02:26 (load average 0.31 at "
-                            "its start) and the table's run after it (425745d plus edits to docs, 02:38; 0.14) "
-                            "started quiet, other processes' CPU 0.01 s per s.",
+                            "its start) and the run after it (425745d plus edits to docs, 02:38; 0.14) started "
+                            "quiet, other processes' CPU 0.01 s per s. The table's run: abb1270 at 05:24 (load "
+                            "average 0.45 at its start, other processes' CPU 0.012 s per s).",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
