@@ -66,6 +66,7 @@ class DFlash2Drafter(nn.Module):
         self.backbone = BlockDiffusionBackbone(config)
         self.candidates = CandidateHead(config.selector_top_k)
         self.candidate_selector = build_selector(config)
+        self._warmed: set[bool] | None = None  # compiled: the kinds of round (lattice or not) warmed up so far
         n = config.draft_vocab_size  # the token ids the LM head drafts among (None: all of them)
         self.register_buffer("draft_vocab", None if n is None else torch.arange(n))
         # the drafter's own embedding and LM head (a checkpoint that ships them, e.g. one narrower than its
@@ -387,7 +388,7 @@ class DFlash2Drafter(nn.Module):
         for device in {p.device for p in self.parameters()}:  # the rotary table as a decode finds it (a graph
             self.backbone.rotary.inverse_frequencies(device)     # traced before it is filled is traced again after)
         self._round = compile_own(self._round, **kwargs)
-        self._warmed: set[bool] = set()  # the kinds of round (lattice or not) compiled so far
+        self._warmed = set()
 
     def _warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
         """Compile the round's graphs before the first real round, on scratch caches, so that no
@@ -411,7 +412,7 @@ class DFlash2Drafter(nn.Module):
         draft positions (with the selector's lattice when `lattice`)."""
         B, device = self.config.block_size, new_features.device
         dtype = self.backbone.fc.weight.dtype
-        if getattr(self, "_warmed", None) is not None and lattice not in self._warmed:  # compiled, this kind not yet
+        if self._warmed is not None and lattice not in self._warmed:  # compiled, this kind not warmed up yet
             self._warm_up(target, new_features, lattice)
         if not cache.keys:  # the first round: no context yet
             empty = lambda: torch.zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim,  # noqa: E731

@@ -347,10 +347,6 @@ class GoodputPolicy:
             return torch.full((draft.tokens.shape[0],), UNKNOWN_CONFIDENCE, dtype=torch.float64)
         return draft.confidence.detach().cpu().double()
 
-    def confidence(self, draft: Draft) -> torch.Tensor:
-        """The calibrated c [L] of a draft (its own raw values, or UNKNOWN_CONFIDENCE where it has none)."""
-        return self.calibrator.calibrate(self._raw(draft))
-
     def expected_survival(self) -> list[float]:
         """s̄ [positions]: the chance that every position up to t is accepted, from each position's
         observed rate (the prior UNKNOWN_CONFIDENCE until it has seen about prior_strength tokens)."""

@@ -83,7 +83,7 @@ class TokenTree(NamedTuple):
 
     def children(self, node: int) -> list[int]:
         """Node indices under `node` (-1 for the anchor), in try order."""
-        return [i for i, p in enumerate(self.parents.tolist()) if p == node]
+        return self.children_lists().get(node, [])
 
     def children_lists(self) -> dict[int, list[int]]:
         """children() of every node that has some (-1: the anchor), read once."""
