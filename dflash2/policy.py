@@ -89,20 +89,23 @@ class CostModel:
 
     @classmethod
     def measure(cls, run: Callable[[int], None], sizes: list[int], repeats: int = 3) -> "CostModel":
-        """Time run(n) for each n in sizes (best of `repeats`, after one warm-up call each). A pass over
-        more tokens costs no less, and a timing's noise only adds: each point is then the least time
-        measured at its size or above."""
+        """Time run(n) for each n in sizes (best of `repeats`, after one warm-up call each). The sizes
+        take turns (each repetition times every size once), so that the machine's drift over the
+        profile touches every size alike instead of the last ones. A pass over more tokens costs no
+        less, and a timing's noise only adds: each point is then the least time measured at its size
+        or above."""
         import time
 
-        points = []
-        for n in sorted(set(sizes)):
+        sizes = sorted(set(sizes))
+        for n in sizes:
             run(n)
-            best = float("inf")
-            for _ in range(repeats):
+        best = dict.fromkeys(sizes, float("inf"))
+        for _ in range(repeats):
+            for n in sizes:
                 start = time.perf_counter()
                 run(n)
-                best = min(best, time.perf_counter() - start)
-            points.append((n, best))
+                best[n] = min(best[n], time.perf_counter() - start)
+        points = [(n, best[n]) for n in sizes]
         for i in range(len(points) - 2, -1, -1):  # the least time at this size or above
             points[i] = (points[i][0], min(points[i][1], points[i + 1][1]))
         return cls(tuple(points))
@@ -265,12 +268,14 @@ class _DraftTimer(FixedWidth):
 @dataclass
 class _Round:
     """A round GoodputPolicy is timing: its kind ("plain", "draft"), rows, the model's seconds for it
-    (None: not a sample; a drafting round's is set by widths()) and when it started."""
+    (None: not a sample; a drafting round's is set by widths()), when it started, and whether it is
+    one of a probe's rounds."""
 
     kind: str
     rows: int
     modelled: float | None
     start: float
+    probe: bool = False
 
 
 class GoodputPolicy:
@@ -310,8 +315,11 @@ class GoodputPolicy:
     until drafting rounds are measured). Rounds whose drafting is not timed (a generation's first, the
     first after skipped rounds) are not residuals. A gap that also holds something else (a newcomer's
     prefill in a batch, which can come several rounds running as rows finish together; the caller's
-    work between generations) only adds time, and the lower quartile drops up to three in four of them. clock=None:
-    the model alone (what the tests of its arithmetic use)."""
+    work between generations) only adds time, and the lower quartile drops up to three in four of them.
+    A probe's rounds are timed too: what they took above the plain steps they replaced (the lower
+    median of the last DRAFT_WINDOW probes at that number of rows, `probe_cost`) replaces the model's
+    estimate in the share test, which misses what the first round after skipped rounds spends reading
+    their features. clock=None: the model alone (what the tests of its arithmetic use)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
 
@@ -340,6 +348,10 @@ class GoodputPolicy:
         self._residuals: dict[str, dict[int, deque]] = {"plain": {}, "draft": {}}
         self.residuals: dict[str, dict[int, float]] = {"plain": {}, "draft": {}}
         self._round: _Round | None = None  # the round in flight
+        # rows → the seconds the last probes took above plain steps (a probe's rounds together), and their lower median
+        self._probe_window: dict[int, deque] = {}
+        self.probe_s: dict[int, float] = {}
+        self._probe_open: list | None = None  # the probe in flight: [rows, seconds above plain so far, rounds left]
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -402,6 +414,8 @@ class GoodputPolicy:
             return
         now = self.clock()
         done = self._round
+        if done is not None and done.probe and self._probe_open is not None:
+            self._close_probe_round(now - done.start)
         if done is not None and done.modelled is not None:
             window = self._residuals[done.kind].setdefault(done.rows, deque(maxlen=ROUND_WINDOW))
             window.append(now - done.start - done.modelled)
@@ -413,7 +427,26 @@ class GoodputPolicy:
                 # that moved by less than a twentieth of the step, so that not every round re-judges)
                 if done.kind == "draft" or before is None or abs(low - before) > 0.05 * max(done.modelled, 1e-12):
                     self._pays.clear()
-        self._round = None if kind is None else _Round(kind, rows, modelled, now)
+        self._round = None if kind is None else _Round(kind, rows, modelled, now, self._probe_open is not None)
+
+    def _close_probe_round(self, seconds: float) -> None:
+        """A probe's round took `seconds`: its time above a plain step counts toward the probe's cost,
+        which joins the window of its number of rows after the probe's last round."""
+        probe = self._probe_open
+        rows = probe[0]
+        probe[1] += max(0.0, seconds - self.plain_cost(rows))
+        probe[2] -= 1
+        if probe[2] == 0:
+            window = self._probe_window.setdefault(rows, deque(maxlen=DRAFT_WINDOW))
+            window.append(probe[1])
+            self.probe_s[rows] = sorted(window)[(len(window) - 1) // 2]  # the lower median
+            self._probe_open = None
+
+    def probe_cost(self, rows: int, modelled: float) -> float:
+        """The seconds a probe at `rows` rows costs above the plain steps it replaces: as measured (at
+        that number of rows, else read like draft_cost), else `modelled`."""
+        measured = _by_rows(self.probe_s, rows)
+        return modelled if measured is None else measured
 
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
@@ -443,7 +476,7 @@ class GoodputPolicy:
             self._skipped_s, self._share = 0.0, self.explore
             return True
         self._skipped_s += plain_s
-        if probe_extra * (2 if self._stale else 1) > self._share * self._skipped_s:
+        if self.probe_cost(rows, probe_extra * (2 if self._stale else 1)) > self._share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
             return False
@@ -451,6 +484,8 @@ class GoodputPolicy:
         # features, so only the second times drafting); the next may cost half the share
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
         self._probing, self._probe_again = True, self._stale
+        if self.clock is not None:
+            self._probe_open = [rows, 0.0, 2 if self._stale else 1]
         return True
 
     def widths(self, drafts: list[Draft], draft_s: float | None) -> list[int]:

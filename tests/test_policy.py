@@ -113,7 +113,7 @@ def test_cost_model_interpolates_and_extends(monkeypatch):
             CostModel(bad)
     calls = []
     measured = CostModel.measure(calls.append, [4, 1, 4], repeats=2)
-    assert [n for n, _ in measured.points] == [1, 4] and calls == [1, 1, 1, 4, 4, 4]
+    assert [n for n, _ in measured.points] == [1, 4] and calls == [1, 4, 1, 4, 1, 4]  # warm-ups, then turns
 
     clock = [0.0]  # a fake clock: a real sleep's overshoot on a busy machine can exceed the gaps below
     monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
@@ -349,6 +349,29 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     assert padded.draft_cost(3) is None and padded.drafts(3)  # nothing measured yet: draft and measure
     assert padded.widths([blind] * 3, 0.0) == [4, 4, 4] and padded.draft_s == {3: 0.5}  # a probe: verified in full
     assert padded.draft_cost(2) == 0.5 and padded.draft_cost(6) == 1.0  # other row counts: estimated from it
+
+
+def test_probes_keep_to_their_share_of_the_time_as_measured():
+    """The drafter of the test above, but its probes' rounds take 10 s on the clock (reading the skipped
+    rounds' features, say), where the model prices a probe at 2 × 2.9 s above plain steps: after the
+    first probe (12, 13; priced by the model) its measured 2 × 9 s sets when the next comes, once
+    18 s is at most the halved share (0.25) of the seconds skipped: after 72 plain steps, where the
+    model alone would have probed after 24 (the test above)."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    clock = [0.0]
+    policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5, clock=lambda: clock[0])
+    blind = Draft(torch.arange(4))
+    for _ in range(150):
+        if policy.drafts(1):
+            [w] = policy.widths([blind], 0.0)
+            policy.observe(blind, w, [])
+            clock[0] += 10.0
+        else:
+            clock[0] += 1.0
+    assert [i for i, a in enumerate(policy.answers) if a] == [0, 12, 13, 85, 86]
+    assert policy.probe_s == {1: pytest.approx(18.0)} and policy.probe_cost(1, 5.8) == pytest.approx(18.0)
+    assert policy.probe_cost(2, 5.8) == pytest.approx(36.0)  # more rows: scaled from the most measured
+    assert CountedGoodput(cost, positions=4).probe_cost(1, 5.8) == 5.8  # nothing measured: the model's
 
 
 def _distribution_with(policy_factory, drafter_name, params):
