@@ -84,19 +84,22 @@ def main() -> int:
     seconds: collections.Counter = collections.Counter()
     calls: collections.Counter = collections.Counter()
     active: collections.Counter = collections.Counter()  # stages in progress
-    for label, owner, name in STAGES:
-        def timed(*a, _f=getattr(owners[owner], name), _label=label, **k):
-            if _label in INSIDE and not active[INSIDE[_label]]:
-                return _f(*a, **k)
-            active[_label] += 1
+    def timer(f, label):
+        def timed(*a, **k):
+            if label in INSIDE and not active[INSIDE[label]]:
+                return f(*a, **k)
+            active[label] += 1
             start = time.perf_counter()
             try:
-                return _f(*a, **k)
+                return f(*a, **k)
             finally:
-                seconds[_label] += time.perf_counter() - start
-                calls[_label] += 1
-                active[_label] -= 1
-        setattr(owners[owner], name, timed)
+                seconds[label] += time.perf_counter() - start
+                calls[label] += 1
+                active[label] -= 1
+        return timed
+
+    for label, owner, name in STAGES:
+        setattr(owners[owner], name, timer(getattr(owners[owner], name), label))
 
     def plain():
         return ar_generate_batch(plain_step, ids, mask, **kw)
