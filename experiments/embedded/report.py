@@ -252,12 +252,15 @@ def main() -> int:
                             "its compiled batch-1 rows of both target steps sharing one compiled drafter), 425745d "
                             "(one compiled drafter per target step, the StaticTarget step compiled with the sizes a "
                             "decode varies marked dynamic; quiet start, load average 0.24; three cells met) and "
-                            "abb1270 at 05:43 (load average 0.50 at its start; three cells met). The run in the "
-                            "table (abb1270 at 05:12: the round's Python made cheaper, the compiled drafter warmed "
-                            "up before its first round, tree policies' node rates from a prior worth two rounds) "
-                            "started quiet: 1-minute load average 0.23, other processes' CPU 0.015 s per s (the load "
-                            "average after a table is the run's own two threads); this VM ran slower in both abb1270 "
-                            "runs than in 425745d's.", cells=True)
+                            "abb1270, twice (the round's Python made cheaper, the compiled drafter warmed up before "
+                            "its first round, tree policies' node rates from a prior worth two rounds; 05:12, load "
+                            "average 0.23: no cell met; 05:43, load average 0.50: three cells met). The run in the "
+                            "table (29c028c: probes budgeted by their measured cost, the verify cost profiled with "
+                            "the sizes taking turns) started quiet: 1-minute load average 0.69 a minute after the "
+                            "run before it, other processes' CPU 0.01 s per s (the load average after a table is the "
+                            "run's own two threads). Where an adaptive row skips nearly every round (sampling, 32 "
+                            "rows), what it loses to plain decoding is its probes (a probe at 20 rows drafts and "
+                            "verifies every row in full) and the VM's drift between the two rows' runs.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, in "
