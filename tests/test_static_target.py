@@ -78,7 +78,10 @@ def test_steps_equal_the_models_forward(arch, fused, linear_dtype):
     a, b = ours.new_cache(), theirs.new_cache()
     g = torch.Generator().manual_seed(1)
     ids = lambda n: torch.randint(0, MASK, (1, n), generator=g)  # noqa: E731
-    close = lambda x, y: torch.testing.assert_close(x, y, rtol=0, atol=1e-10)  # noqa: E731
+    # bfloat16 products accumulate in float32 in an order that depends on the kernel (AMX or not) and
+    # the matrix's width (fused q/k/v against three products): equal up to float32 rounding, not float64's
+    atol = 1e-10 if linear_dtype is None else 1e-6
+    close = lambda x, y: torch.testing.assert_close(x, y, rtol=0, atol=atol)  # noqa: E731
     prompt = ids(9)
     s1, s2 = ours.forward(prompt, a, keep_logits=1), theirs.forward(prompt, b, keep_logits=1)
     close(s1.logits, s2.logits), close(s1.features, s2.features)
