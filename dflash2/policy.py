@@ -56,7 +56,7 @@ UNKNOWN_CONFIDENCE = 0.9
 SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
 ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
-ROUND_SAMPLES = 4  # rounds of a kind and number of rows measured before their residual counts
+ROUND_SAMPLES = 4  # plain steps at a number of rows measured before their residual counts (a drafting round's: from the first)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,9 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
     """The drafting seconds of one round at `rows` rows on this machine: `rows` random prompts of
     `context` tokens decoded for `rounds` + 1 rounds (spec_generate at one row, spec_generate_batch
     at more), twice (the first run compiles what a compiled drafter compiles), the fastest round of
-    the second run after its first (which also reads the whole prompt's features). A prior for
+    the second run after its first (which also reads the whole prompt's features) among those with
+    every row still in flight (rows that accept more finish first, and a round of the few left drafts
+    a fraction of the batch; were none left with every row, the fullest rounds' scaled to `rows`). A prior for
     GoodputPolicy(draft_s=...), so that its first round need not draft to learn it (the policy counts
     it as its first measurement at that number of rows). verify="tree": a tree of `tree_nodes` nodes
     per row (TreeGoodputPolicy's drafting)."""
@@ -192,7 +194,8 @@ def profile_draft(drafter, target, rows: int = 1, context: int = 128, rounds: in
                                     verify=verify, tree_nodes=tree_nodes)
     if not timer.seconds:
         raise ValueError("profile_draft: the drafter drafted nothing (block_size 1, or an autoregressive drafter)")
-    return min(timer.seconds)
+    fullest = max(n for n, _ in timer.seconds)
+    return min(s for n, s in timer.seconds if n == fullest) * rows / fullest
 
 
 def _by_rows(table: dict[int, float], rows: int) -> float | None:
@@ -254,14 +257,14 @@ class _NeverDraft(FixedWidth):
 
 
 class _DraftTimer(FixedWidth):
-    """FixedWidth that records each drafting round's seconds (profile_draft)."""
+    """FixedWidth that records each drafting round's rows and seconds (profile_draft)."""
 
     def __init__(self) -> None:
-        self.seconds: list[float] = []
+        self.seconds: list[tuple[int, float]] = []
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         if any(d.tokens.shape[0] for d in drafts) and draft_s is not None:
-            self.seconds.append(draft_s)
+            self.seconds.append((len(drafts), draft_s))
         return super().widths(drafts, draft_s)
 
 
@@ -310,9 +313,12 @@ class GoodputPolicy:
     bookkeeping at many rows, a machine slower than at warm-up). So the policy also times every round
     itself, from one drafts() call to the next (the loop calls it once per round), and keeps per kind
     (plain step, drafting round) and number of rows the lower quartile of the last ROUND_WINDOW
-    residuals, measured minus modelled seconds (`residual`), once ROUND_SAMPLES are in; a plain step's
-    residual is added to every plain step, a drafting round's to every drafting round (a plain step's
-    until drafting rounds are measured). Rounds whose drafting is not timed (a generation's first, the
+    residuals, measured minus modelled seconds (`residual`), a plain step's once ROUND_SAMPLES are in,
+    a drafting round's from the first: a drafting round priced too low goes on costing several plain
+    steps a round (a draining batch at many rows meets each number of rows only a few times), one
+    priced too high only until the next probe measures it again. A plain step's residual is added to
+    every plain step, a drafting round's to every drafting round (a plain step's until drafting rounds
+    are measured). Rounds whose drafting is not timed (a generation's first, the
     first after skipped rounds) are not residuals. A gap that also holds something else (a newcomer's
     prefill in a batch, which can come several rounds running as rows finish together; the caller's
     work between generations) only adds time, and the lower quartile drops up to three in four of them.
@@ -397,7 +403,7 @@ class GoodputPolicy:
 
     def residual(self, kind: str, rows: int) -> float:
         """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured
-        (the lower quartile of the last ROUND_WINDOW, once ROUND_SAMPLES are in; read like draft_cost);
+        (the lower quartile of the last ROUND_WINDOW, a plain step's once ROUND_SAMPLES are in; read like draft_cost);
         a drafting round's is a plain step's until drafting rounds are measured (what the model misses
         in a plain step it misses in a drafting round too); 0 before any or without a clock."""
         table = self.residuals[kind] or (self.residuals["plain"] if kind == "draft" else {})
@@ -419,7 +425,7 @@ class GoodputPolicy:
         if done is not None and done.modelled is not None:
             window = self._residuals[done.kind].setdefault(done.rows, deque(maxlen=ROUND_WINDOW))
             window.append(now - done.start - done.modelled)
-            if len(window) >= ROUND_SAMPLES:
+            if len(window) >= (1 if done.kind == "draft" else ROUND_SAMPLES):
                 low = sorted(window)[(len(window) - 1) // 4]  # the lower quartile: a gap that held more only adds
                 before = self.residuals[done.kind].get(done.rows)
                 self.residuals[done.kind][done.rows] = low
