@@ -166,6 +166,10 @@ class NodeRates:
             taken[i] += 1
         self._rates = None
 
+    def counts(self) -> tuple[list[int], list[int]]:
+        """(accepted, seen) per node index, as Python lists (not to be changed)."""
+        return self._accepted, self._seen
+
     def rate_list(self) -> list[float]:
         """a [nodes] as Python floats (what a policy reads every round)."""
         if self._rates is None:

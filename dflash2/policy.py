@@ -37,6 +37,7 @@ machine it runs on, in a second or two, for a batch-1 target.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections import Counter, deque
 from itertools import accumulate
@@ -57,6 +58,18 @@ SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that dr
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
 ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
 ROUND_SAMPLES = 4  # plain steps at a number of rows measured before their residual counts (a drafting round's: from the first)
+HOPE_Z = 2.0  # the optimistic acceptance rates a probe needs: each rate this many standard errors above its estimate
+
+
+def upper_rates(accepted: list[float], seen: list[float], prior: float, strength: float) -> list[float]:
+    """Optimistic acceptance rates: r + HOPE_Z·sqrt(r(1 − r)/n) + 1/n, at most 1, for each rate
+    r = (a + strength · prior) / n, n = seen + strength (the estimate shrunk to the prior)."""
+    out = []
+    for a, k in zip(accepted, seen):
+        n = k + strength
+        r = (a + strength * prior) / n
+        out.append(min(1.0, r + HOPE_Z * math.sqrt(r * (1 - r) / n) + 1 / n))
+    return out
 
 
 @dataclass(frozen=True)
@@ -476,13 +489,16 @@ class GoodputPolicy:
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
             plain_s = self.plain_cost(rows)
             probe_s = self._drafting_model(draft_s, [self.positions] * rows) + self.residual("draft", rows)
-            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_s - plain_s)
-        pays, plain_s, probe_extra = self._pays[rows]
+            _, hope = self._round_rate([self.hopeful_curve()] * rows, draft_s)
+            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_s - plain_s,
+                                hope > rows / max(plain_s, 1e-12))
+        pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
             self._skipped_s, self._share = 0.0, self.explore
             return True
         self._skipped_s += plain_s
-        if self.probe_cost(rows, probe_extra * (2 if self._stale else 1)) > self._share * self._skipped_s:
+        share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
+        if self.probe_cost(rows, probe_extra * (2 if self._stale else 1)) > share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
             return False
@@ -547,6 +563,14 @@ class GoodputPolicy:
         """[positions] what curve() expects of a round not drafted yet (drafts())."""
         return self.expected_survival()
 
+    def hopeful_curve(self) -> list[float]:
+        """[positions] expected_curve() at optimistic rates (upper_rates): where drafting loses even
+        at these, a probe has little to learn, and probes keep to the least share (explore_min)."""
+        cal = self.calibrator
+        rates = upper_rates(cal.accepted.sum(1).tolist(), cal.seen.sum(1).tolist(), UNKNOWN_CONFIDENCE,
+                            cal.prior_strength)
+        return list(accumulate(rates, lambda x, y: x * y))
+
 
 class TreeGoodputPolicy(GoodputPolicy):
     """GoodputPolicy for token trees (spec_generate(..., verify="tree")): each row verifies the first
@@ -578,6 +602,10 @@ class TreeGoodputPolicy(GoodputPolicy):
 
     def expected_curve(self) -> list[float]:
         return self.rates.rate_list()[: self.positions]
+
+    def hopeful_curve(self) -> list[float]:
+        accepted, seen = self.rates.counts()
+        return upper_rates(accepted, seen, self.rates.prior, self.rates.prior_strength)[: self.positions]
 
     def observe(self, draft, verified: int, accepted: list[int]) -> None:
         if verified:

@@ -317,6 +317,13 @@ class CountedGoodput(GoodputPolicy):
     def widths(self, drafts, draft_s):
         return super().widths(drafts, self.draft_time)
 
+    @staticmethod
+    def tree(cost, positions, rates):
+        """The same for TreeGoodputPolicy (drafting 0.5 s, explore 0.5 down to 0.01)."""
+        class Tree(CountedGoodput, TreeGoodputPolicy):
+            pass
+        return Tree(cost, positions, rates=rates, explore=0.5, explore_min=0.01, draft_time=0.5, draft_s={1: 0.5})
+
 
 def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_its_share():
     """A drafter whose tokens are never accepted, against a pass that costs more per token than it
@@ -349,6 +356,40 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     assert padded.draft_cost(3) is None and padded.drafts(3)  # nothing measured yet: draft and measure
     assert padded.widths([blind] * 3, 0.0) == [4, 4, 4] and padded.draft_s == {3: 0.5}  # a probe: verified in full
     assert padded.draft_cost(2) == 0.5 and padded.draft_cost(6) == 1.0  # other row counts: estimated from it
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["path", "tree"])
+def test_probes_keep_to_the_least_share_where_even_hope_loses(tree):
+    """The blind drafter of the test above. Once its first position has failed 400 times, drafting
+    loses even at optimistic acceptance (each rate two standard errors up): a probe would have nothing
+    to learn, and probes keep to explore_min's share (none in 200 rounds here); after two failures
+    the optimistic rates could still make drafting pay, and it probes at explore's share (round 11:
+    the test above's first probe after skipped rounds). Without the rule both would probe there: at
+    20 rows a probe drafts and verifies every row (on the embedded pair about 120 ms, 20 plain steps)
+    where every round has already shown it loses."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    blind = Draft(torch.arange(4))
+
+    def probes_after(failures: int) -> list[int]:
+        if tree:
+            rates = NodeRates(4, UNKNOWN_CONFIDENCE)
+            for _ in range(failures):
+                rates.observe(4, [])
+            policy = CountedGoodput.tree(cost, 4, rates)
+        else:
+            calibrator = Calibrator(4)
+            for _ in range(failures):
+                calibrator.observe(torch.full((4,), UNKNOWN_CONFIDENCE), 4, 0)
+            policy = CountedGoodput(cost, positions=4, calibrator=calibrator, explore=0.5, explore_min=0.01,
+                                    draft_time=0.5, draft_s={1: 0.5})
+        for _ in range(200):
+            if policy.drafts(1):
+                [w] = policy.widths([blind], 0.0)
+                policy.observe(blind, w, [])
+        return [i for i, a in enumerate(policy.answers) if a]
+
+    assert probes_after(400) == []
+    assert probes_after(2)[:1] == [11]
 
 
 def test_probes_keep_to_their_share_of_the_time_as_measured():
@@ -483,8 +524,9 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     assert [informed.drafts(1) for _ in range(5)] == [False] * 5
     assert GoodputPolicy(dear, positions=3, calibrator=failed).drafts(1)  # nothing measured: a probe
     # a prior far above the truth: skipped until a probe measures the drafting, which replaces it
+    # (explore_min = explore: even where drafting loses at optimistic acceptance, probes keep their share)
     wrong = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_time=0.1, draft_s={1: 100.0},
-                           explore=0.5)
+                           explore=0.5, explore_min=0.5)
     sure = Draft(torch.arange(4))
     for _ in range(1000):  # a probe after skips costs two drafts: after 400 plain seconds
         if wrong.drafts(1):
@@ -659,7 +701,8 @@ def test_profile_loop_measures_a_plain_step_and_leaves_no_trace():
 def test_a_draft_after_skipped_rounds_does_not_set_the_drafting_time():
     """The first draft after skipped rounds also reads their target features: its seconds (here 100×
     the rest) are not the drafting time, and the probe's second round measures it instead."""
-    policy = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_s={1: 50.0}, explore=1.0)
+    policy = CountedGoodput(CostModel(((1, 1.0), (8, 1.1))), positions=4, draft_s={1: 50.0}, explore=1.0,
+                            explore_min=1.0)  # (probes at their share even where hope loses)
     sure, times = Draft(torch.arange(4)), []
     for _ in range(200):
         if policy.drafts(1):
