@@ -254,13 +254,20 @@ def main() -> int:
                             "decode varies marked dynamic; quiet start, load average 0.24; three cells met) and "
                             "abb1270, twice (the round's Python made cheaper, the compiled drafter warmed up before "
                             "its first round, tree policies' node rates from a prior worth two rounds; 05:12, load "
-                            "average 0.23: no cell met; 05:43, load average 0.50: three cells met). The run in the "
-                            "table (29c028c: probes budgeted by their measured cost, the verify cost profiled with "
-                            "the sizes taking turns) started quiet: 1-minute load average 0.69 a minute after the "
-                            "run before it, other processes' CPU 0.01 s per s (the load average after a table is the "
-                            "run's own two threads). Where an adaptive row skips nearly every round (sampling, 32 "
-                            "rows), what it loses to plain decoding is its probes (a probe at 20 rows drafts and "
-                            "verifies every row in full) and the VM's drift between the two rows' runs.", cells=True)
+                            "average 0.23: no cell met; 05:43, load average 0.50: three cells met), 29c028c (07:14, load "
+                            "average 0.69: probes budgeted by their measured cost, the verify cost profiled with the "
+                            "sizes taking turns; two cells met) and 86967d3 (09:45, load average 0.58: profile_draft "
+                            "times only the rounds with every row in flight, where it had priced a 32-row drafting "
+                            "round at the 4 rows left at the end of its batch, and a drafting round's residual counts "
+                            "from its first measurement; one cell met, the 32-row rows still probing at a cost of "
+                            "about 120 ms a probe). The run in the table (2a832d3: where drafting loses even at "
+                            "optimistic acceptance, probes keep to explore_min's share) started with other "
+                            "processes' CPU at 0.01 s per s and a 1-minute load average of 1.32 left by the tests run "
+                            "just before it (the load average after a table is the run's own two threads). Where an "
+                            "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
+                            "through the speculative loop: what it loses or gains against plain decoding is a probe "
+                            "when one lands in a timed run (at 20 rows a probe drafts and verifies every row in full, "
+                            "about twenty plain steps) and the VM's drift between the two rows' runs.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
                             "configs/bench/regimes_vllm.yaml",
                             "Our plain decoding, the 15-node tree and the adaptive rows (all through StaticTarget, in "
