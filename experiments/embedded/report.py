@@ -291,8 +291,12 @@ def main() -> int:
                             "2026-12-05 00:01 started with other processes' CPU at 0.01 s per s or less but 1-minute "
                             "load averages of 0.6–1.5, left by the job before each; 425745d at 02:26 (load average 0.31 at "
                             "its start) and the run after it (425745d plus edits to docs, 02:38; 0.14) started "
-                            "quiet, other processes' CPU 0.01 s per s. The table's run: abb1270 at 05:24 (load "
-                            "average 0.45 at its start, other processes' CPU 0.012 s per s).",
+                            "quiet, other processes' CPU 0.01 s per s; abb1270 at 05:24 (load average 0.45 at its start, "
+                            "other processes' CPU 0.012 s per s). The table's run: 0c02303 at 10:40 (the policy with "
+                            "its three fixes of that morning: docs/architecture.md, \"Verification policies\"; "
+                            "other processes' CPU 0.01 s per s, 1-minute load average 1.16 left by the test suite "
+                            "run before it), where vLLM's bfloat16 plain decoding ran at 455 tokens/s at batch 1, "
+                            "the low end of its range across these runs.",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
