@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 import time
 from collections import Counter, deque
 from itertools import accumulate
@@ -489,9 +490,10 @@ class GoodputPolicy:
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
             plain_s = self.plain_cost(rows)
             probe_s = self._drafting_model(draft_s, [self.positions] * rows) + self.residual("draft", rows)
-            _, hope = self._round_rate([self.hopeful_curve()] * rows, draft_s)
-            self._pays[rows] = (rate > rows / max(plain_s, 1e-12), plain_s, probe_s - plain_s,
-                                hope > rows / max(plain_s, 1e-12))
+            plain_rate = rows / max(plain_s, 1e-12)
+            pays = rate > plain_rate  # (where it pays, hope is not asked: a drafting round recomputes this)
+            hopeful = pays or self._round_rate([self.hopeful_curve()] * rows, draft_s)[1] > plain_rate
+            self._pays[rows] = (pays, plain_s, probe_s - plain_s, hopeful)
         pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
             self._skipped_s, self._share = 0.0, self.explore
@@ -569,7 +571,7 @@ class GoodputPolicy:
         cal = self.calibrator
         rates = upper_rates(cal.accepted.sum(1).tolist(), cal.seen.sum(1).tolist(), UNKNOWN_CONFIDENCE,
                             cal.prior_strength)
-        return list(accumulate(rates, lambda x, y: x * y))
+        return list(accumulate(rates, operator.mul))
 
 
 class TreeGoodputPolicy(GoodputPolicy):

@@ -262,8 +262,9 @@ def main() -> int:
                             "from its first measurement; one cell met, the 32-row rows still probing at a cost of "
                             "about 120 ms a probe). The run in the table (2a832d3: where drafting loses even at "
                             "optimistic acceptance, probes keep to explore_min's share) started with other "
-                            "processes' CPU at 0.01 s per s and a 1-minute load average of 1.32 left by the tests run "
-                            "just before it (the load average after a table is the run's own two threads). Where an "
+                            "processes' CPU at 0.01 s per s but a 1-minute load average of 1.32 left by the tests run "
+                            "just before it, not a quiet start by this project's rule (load well under 1); 86967d3's "
+                            "run started quiet (the load average after a table is the run's own two threads). Where an "
                             "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
                             "through the speculative loop: what it loses or gains against plain decoding is a probe "
                             "when one lands in a timed run (at 20 rows a probe drafts and verifies every row in full, "
@@ -294,9 +295,9 @@ def main() -> int:
                             "quiet, other processes' CPU 0.01 s per s; abb1270 at 05:24 (load average 0.45 at its start, "
                             "other processes' CPU 0.012 s per s). The table's run: 0c02303 at 10:40 (the policy with "
                             "its three fixes of that morning: docs/architecture.md, \"Verification policies\"; "
-                            "other processes' CPU 0.01 s per s, 1-minute load average 1.16 left by the test suite "
-                            "run before it), where vLLM's bfloat16 plain decoding ran at 455 tokens/s at batch 1, "
-                            "the low end of its range across these runs.",
+                            "other processes' CPU 0.01 s per s, but a 1-minute load average of 1.16 left by the test "
+                            "suite run before it: not a quiet start by this project's rule), where vLLM's bfloat16 "
+                            "plain decoding ran at 455 tokens/s at batch 1, the low end of its range across these runs.",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
