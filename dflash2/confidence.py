@@ -20,8 +20,10 @@ candidates, not over what the target would say. `Calibrator` maps raw values ont
 actually observed, online (per draft position and confidence bin, shrunk to the raw value while a
 bin has seen little), and its `table()` is what the calibration plot shows (predicted against
 observed, per position). A token tree has no such signal per node: `NodeRates` counts how often each
-node index of a best-first tree is accepted (TreeGoodputPolicy). Nothing here is read by the
-verifier: no value of c can change what is committed.
+node index of a best-first tree is accepted (TreeGoodputPolicy). Both also keep `RoundCounts`: the
+accepted tokens of every round verified at full width, whose spread says how sure a policy can be of
+its expected tokens per round. Nothing here is read by the verifier: no value of c can change what is
+committed.
 """
 
 from __future__ import annotations
@@ -56,6 +58,28 @@ def lattice_confidence(first: Tensor, steps: Tensor, index: Tensor, temperature:
     return torch.cat([p0, p], dim=-1)
 
 
+class RoundCounts:
+    """How many draft tokens the rounds verified at full width accepted: their number, sum and sum of
+    squares (the sample mean and variance of a round's accepted tokens, per row-round)."""
+
+    __slots__ = ("n", "total", "squares")
+
+    def __init__(self) -> None:
+        self.n, self.total, self.squares = 0, 0.0, 0.0
+
+    def add(self, accepted: int) -> None:
+        self.n += 1
+        self.total += accepted
+        self.squares += accepted * accepted
+
+    def variance(self) -> float | None:
+        """The sample variance of the accepted tokens (None before two rounds)."""
+        if self.n < 2:
+            return None
+        mean = self.total / self.n
+        return max(0.0, (self.squares - self.n * mean * mean) / (self.n - 1))
+
+
 class Calibrator:
     """Raw confidences → calibrated ones, learned from what verification accepted.
 
@@ -74,6 +98,7 @@ class Calibrator:
         self.seen = torch.zeros(positions, bins, dtype=torch.float64)
         self.accepted = torch.zeros(positions, bins, dtype=torch.float64)
         self.predicted = torch.zeros(positions, bins, dtype=torch.float64)  # sum of raw c, for the table
+        self.full = RoundCounts()  # the rounds that verified every position
 
     def _bin(self, confidence: Tensor) -> Tensor:
         return (confidence.double().clamp(0, 1) * self.bins).long().clamp(max=self.bins - 1)
@@ -84,6 +109,8 @@ class Calibrator:
         if not 0 <= num_accepted <= num_verified <= confidence.shape[0]:
             raise ValueError(f"need 0 <= accepted ({num_accepted}) <= verified ({num_verified}) <= L "
                              f"({confidence.shape[0]})")
+        if num_verified >= self.seen.shape[0]:
+            self.full.add(min(num_accepted, self.seen.shape[0]))
         observed = min(num_accepted + 1, num_verified, self.seen.shape[0])
         if observed == 0:
             return
@@ -138,6 +165,7 @@ class NodeRates:
         self._seen = [0] * nodes  # rounds that verified node i
         self._accepted = [0] * nodes  # ... and accepted it
         self._rates: list[float] | None = None  # rate_list(), until the next observe
+        self.full = RoundCounts()  # the rounds that verified every node
 
     @property
     def nodes(self) -> int:
@@ -159,16 +187,14 @@ class NodeRates:
                 or len(set(accepted)) != len(accepted):
             raise ValueError(f"need distinct accepted nodes ({accepted}) among the {num_verified} verified, "
                              f"at most {self.nodes}")
+        if num_verified == self.nodes:
+            self.full.add(len(accepted))
         seen, taken = self._seen, self._accepted
         for i in range(num_verified):
             seen[i] += 1
         for i in accepted:
             taken[i] += 1
         self._rates = None
-
-    def counts(self) -> tuple[list[int], list[int]]:
-        """(accepted, seen) per node index, as Python lists (not to be changed)."""
-        return self._accepted, self._seen
 
     def rate_list(self) -> list[float]:
         """a [nodes] as Python floats (what a policy reads every round)."""

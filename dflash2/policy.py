@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import operator
 import time
 from collections import Counter, deque
 from itertools import accumulate
@@ -47,7 +46,7 @@ from typing import Callable
 
 import torch
 
-from .confidence import Calibrator, NodeRates, survival
+from .confidence import Calibrator, NodeRates, RoundCounts, survival
 from .tree import TokenTree
 from .verify import Draft
 
@@ -59,18 +58,28 @@ SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that dr
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
 ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
 ROUND_SAMPLES = 4  # plain steps at a number of rows measured before their residual counts (a drafting round's: from the first)
-HOPE_Z = 2.0  # the optimistic acceptance rates a probe needs: each rate this many standard errors above its estimate
+HOPE_Z = 2.0  # the optimistic tokens per round a probe needs: this many standard errors above the estimate
 
 
-def upper_rates(accepted: list[float], seen: list[float], prior: float, strength: float) -> list[float]:
-    """Optimistic acceptance rates: r + HOPE_Z·sqrt(r(1 − r)/n) + 1/n, at most 1, for each rate
-    r = (a + strength · prior) / n, n = seen + strength (the estimate shrunk to the prior)."""
-    out = []
-    for a, k in zip(accepted, seen):
-        n = k + strength
-        r = (a + strength * prior) / n
-        out.append(min(1.0, r + HOPE_Z * math.sqrt(r * (1 - r) / n) + 1 / n))
-    return out
+def hopeful(curve: list[float], rounds: RoundCounts, strength: float) -> list[float]:
+    """An expected curve (a round's expected accepted tokens at each width: the sum of its first values)
+    made optimistic: scaled so that a full-width round accepts E + HOPE_Z·sqrt(v / n) + 1/n tokens, at
+    most 1 per value. E: the curve's sum; n: the full-width rounds observed plus the prior's `strength`;
+    v: their accepted tokens' sample variance, at least Σ c(1 − c) over the curve's values (what
+    independent positions would give: the floor while few rounds are in).
+
+    One margin on the round's total, not one per position: a margin on each of 15 node rates, summed,
+    claims every position lucky at once (tokens per round several standard errors up, about √15 × 2
+    for independent nodes), and kept a policy probing a drafter that a round's own spread had shown to
+    lose."""
+    expected = sum(curve)
+    n = rounds.n + strength
+    floor = sum(c * (1 - c) for c in curve)
+    spread = max(rounds.variance() or 0.0, floor)
+    aim = expected + HOPE_Z * math.sqrt(spread / n) + 1 / n
+    if expected <= 0:
+        return [min(1.0, aim / len(curve))] * len(curve)
+    return [min(1.0, c * aim / expected) for c in curve]
 
 
 @dataclass(frozen=True)
@@ -566,12 +575,10 @@ class GoodputPolicy:
         return self.expected_survival()
 
     def hopeful_curve(self) -> list[float]:
-        """[positions] expected_curve() at optimistic rates (upper_rates): where drafting loses even
-        at these, a probe has little to learn, and probes keep to the least share (explore_min)."""
-        cal = self.calibrator
-        rates = upper_rates(cal.accepted.sum(1).tolist(), cal.seen.sum(1).tolist(), UNKNOWN_CONFIDENCE,
-                            cal.prior_strength)
-        return list(accumulate(rates, operator.mul))
+        """[positions] expected_curve() made optimistic (`hopeful`, from the full-width rounds observed):
+        where drafting loses even at it, a probe has little to learn, and probes keep to the least
+        share (explore_min)."""
+        return hopeful(self.expected_curve(), self.calibrator.full, self.calibrator.prior_strength)
 
 
 class TreeGoodputPolicy(GoodputPolicy):
@@ -606,8 +613,7 @@ class TreeGoodputPolicy(GoodputPolicy):
         return self.rates.rate_list()[: self.positions]
 
     def hopeful_curve(self) -> list[float]:
-        accepted, seen = self.rates.counts()
-        return upper_rates(accepted, seen, self.rates.prior, self.rates.prior_strength)[: self.positions]
+        return hopeful(self.expected_curve(), self.rates.full, self.rates.prior_strength)
 
     def observe(self, draft, verified: int, accepted: list[int]) -> None:
         if verified:

@@ -6,6 +6,7 @@ decides on a token's own value (forbidden by the VerifyPolicy contract) must be 
 from __future__ import annotations
 
 import itertools
+import statistics
 import time
 from collections import Counter
 
@@ -15,10 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash2 import SamplingParams, VerifyPolicy, spec_generate, spec_generate_batch
-from dflash2.confidence import Calibrator, NodeRates
+from dflash2.confidence import Calibrator, NodeRates, RoundCounts
 from dflash2.loop import AutoregressiveDrafter
 from dflash2.policy import (ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy,
-                            TreeGoodputPolicy, best_cap, best_widths, profile_draft)
+                            TreeGoodputPolicy, best_cap, best_widths, hopeful, profile_draft)
 from dflash2.rng import TorchRandom
 from dflash2.tree import TokenTree, verify_tree
 from dflash2.verify import Draft
@@ -318,11 +319,12 @@ class CountedGoodput(GoodputPolicy):
         return super().widths(drafts, self.draft_time)
 
     @staticmethod
-    def tree(cost, positions, rates):
-        """The same for TreeGoodputPolicy (drafting 0.5 s, explore 0.5 down to 0.01)."""
+    def tree(cost, positions, rates, draft_time=0.5):
+        """The same for TreeGoodputPolicy (drafting 0.5 s unless told, explore 0.5 down to 0.01)."""
         class Tree(CountedGoodput, TreeGoodputPolicy):
             pass
-        return Tree(cost, positions, rates=rates, explore=0.5, explore_min=0.01, draft_time=0.5, draft_s={1: 0.5})
+        return Tree(cost, positions, rates=rates, explore=0.5, explore_min=0.01, draft_time=draft_time,
+                    draft_s={1: draft_time})
 
 
 def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_its_share():
@@ -390,6 +392,57 @@ def test_probes_keep_to_the_least_share_where_even_hope_loses(tree):
 
     assert probes_after(400) == []
     assert probes_after(2)[:1] == [11]
+
+
+def test_hope_is_one_margin_on_a_rounds_tokens_not_one_per_node():
+    """15-node trees where node 0 is accepted 45% of the time, node 1 15% and the rest never, over
+    100 full rounds (0.6 tokens a round, the prior still lifting the estimate to 0.85); a round costs
+    1 s of drafting and a 1.2 s pass, so it ties 1-second plain steps at 1.2 accepted tokens. One
+    margin on the round's tokens (two standard errors of a round's count, about 0.15) cannot reach
+    1.2, so probes keep to explore_min's share: none in 200 rounds. A margin on every node's rate,
+    summed over 15 nodes (what the policy did before), reaches 1.5 and probed within ten rounds,
+    where every probe only confirms skipping."""
+    cost = CostModel(((1, 1.0), (16, 1.2)))
+    rates = NodeRates(15, UNKNOWN_CONFIDENCE)
+    for k in range(100):
+        rates.observe(15, [] if k % 20 < 11 else [0] if k % 20 < 17 else [0, 1])
+    policy = CountedGoodput.tree(cost, 15, rates, draft_time=1.0)
+    assert rates.full.n == 100 and rates.full.total == 60
+    hope = sum(policy.hopeful_curve())
+    assert 0.85 < hope < 1.1, hope
+    blind = Draft(torch.arange(15))
+    for _ in range(200):
+        if policy.drafts(1):
+            [w] = policy.widths([blind], 0.0)
+            policy.observe(blind, w, [])
+    assert not any(policy.answers)
+
+
+def test_hopeful_curves():
+    """hopeful(): the curve scaled to E + 2·sqrt(v / n) + 1/n (v: the rounds' variance, at least
+    Σ c(1 − c)), each value at most 1; RoundCounts' variance is the sample variance."""
+    counts = RoundCounts()
+    assert counts.variance() is None
+    for k in (0, 3, 1, 1, 0, 2):
+        counts.add(k)
+    assert counts.n == 6 and counts.variance() == pytest.approx(statistics.variance([0, 3, 1, 1, 0, 2]))
+    curve = [0.5, 0.25, 0.125]
+    floor = sum(c * (1 - c) for c in curve)
+    for rounds, strength in ((RoundCounts(), 2.0), (counts, 2.0)):
+        n = rounds.n + strength
+        aim = 0.875 + 2 * (max(rounds.variance() or 0.0, floor) / n) ** 0.5 + 1 / n
+        out = hopeful(curve, rounds, strength)
+        assert out == pytest.approx([min(1.0, c * aim / 0.875) for c in curve])
+        assert out == sorted(out, reverse=True) and max(out) <= 1.0
+    steady = RoundCounts()
+    for _ in range(10_000):
+        steady.add(1)  # every round accepts one token: only the floor and 1/n remain
+    assert sum(hopeful([0.9, 0.1], steady, 2.0)) == pytest.approx(1 + 2 * (0.18 / 10_002) ** 0.5 + 1 / 10_002)
+    assert hopeful([0.0, 0.0], RoundCounts(), 4.0) == [0.125, 0.125]  # nothing expected: the margin spread evenly
+    calibrator = Calibrator(2)
+    calibrator.observe(torch.full((2,), 0.9), 2, 1)  # verified every position: a full round
+    calibrator.observe(torch.full((2,), 0.9), 1, 1)  # not
+    assert calibrator.full.n == 1 and calibrator.full.total == 1
 
 
 def test_probes_keep_to_their_share_of_the_time_as_measured():
