@@ -348,7 +348,12 @@ class GoodputPolicy:
     A probe's rounds are timed too: what they took above the plain steps they replaced (the lower
     median of the last DRAFT_WINDOW probes at that number of rows, `probe_cost`) replaces the model's
     estimate in the share test, which misses what the first round after skipped rounds spends reading
-    their features. clock=None: the model alone (what the tests of its arithmetic use)."""
+    their features. The model's price for the first probe at a number of rows stays in that window
+    until measured probes push it out, so that one probe slowed a thousandfold (a compile of a shape not
+    seen before, in a timed round) counts only once a second probe confirms it; without that, one such
+    probe priced every later one at seconds, and a policy that had stopped drafting never probed again.
+    The model's price leaves out a drafting round's measured residual for the same reason. clock=None:
+    the model alone (what the tests of its arithmetic use)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
 
@@ -380,7 +385,8 @@ class GoodputPolicy:
         # rows → the seconds the last probes took above plain steps (a probe's rounds together), and their lower median
         self._probe_window: dict[int, deque] = {}
         self.probe_s: dict[int, float] = {}
-        self._probe_open: list | None = None  # the probe in flight: [rows, seconds above plain so far, rounds left]
+        # the probe in flight: [rows, seconds above plain so far, rounds left, the model's seconds above plain]
+        self._probe_open: list | None = None
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -466,7 +472,9 @@ class GoodputPolicy:
         probe[1] += max(0.0, seconds - self.plain_cost(rows))
         probe[2] -= 1
         if probe[2] == 0:
-            window = self._probe_window.setdefault(rows, deque(maxlen=DRAFT_WINDOW))
+            # the model's price for the first probe at this number of rows is the window's first entry: one
+            # probe slowed far beyond it (a compile of a new shape in its rounds) does not rule alone
+            window = self._probe_window.setdefault(rows, deque([probe[3]], maxlen=DRAFT_WINDOW))
             window.append(probe[1])
             self.probe_s[rows] = sorted(window)[(len(window) - 1) // 2]  # the lower median
             self._probe_open = None
@@ -498,18 +506,21 @@ class GoodputPolicy:
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
             plain_s = self.plain_cost(rows)
-            probe_s = self._drafting_model(draft_s, [self.positions] * rows) + self.residual("draft", rows)
+            # a probe's price above a plain step by the model alone: a drafting round's residual, which one
+            # slow round can set, would also price the probes that measure it again
+            probe_extra = self._drafting_model(draft_s, [self.positions] * rows) - self._plain_model(rows)
             plain_rate = rows / max(plain_s, 1e-12)
             pays = rate > plain_rate  # (where it pays, hope is not asked: a drafting round recomputes this)
             hopeful = pays or self._round_rate([self.hopeful_curve()] * rows, draft_s)[1] > plain_rate
-            self._pays[rows] = (pays, plain_s, probe_s - plain_s, hopeful)
+            self._pays[rows] = (pays, plain_s, probe_extra, hopeful)
         pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
             self._skipped_s, self._share = 0.0, self.explore
             return True
         self._skipped_s += plain_s
         share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
-        if self.probe_cost(rows, probe_extra * (2 if self._stale else 1)) > share * self._skipped_s:
+        rounds = 2 if self._stale else 1
+        if self.probe_cost(rows, probe_extra * rounds) > share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
             return False
@@ -518,7 +529,7 @@ class GoodputPolicy:
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
         self._probing, self._probe_again = True, self._stale
         if self.clock is not None:
-            self._probe_open = [rows, 0.0, 2 if self._stale else 1]
+            self._probe_open = [rows, 0.0, rounds, probe_extra * rounds]
         return True
 
     def widths(self, drafts: list[Draft], draft_s: float | None) -> list[int]:

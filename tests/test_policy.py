@@ -445,29 +445,58 @@ def test_hopeful_curves():
     assert calibrator.full.n == 1 and calibrator.full.total == 1
 
 
-def test_probes_keep_to_their_share_of_the_time_as_measured():
-    """The drafter of the test above, whose drafting rounds take the 3.9 s the model says, but the
-    first round of a probe takes 10 s on the clock (reading the skipped rounds' features), which no
-    drafting round timed alone shows: the model prices a probe at 2 × 2.9 s above plain steps. After
-    the first probe (12, 13; priced by the model) its measured 9 + 2.9 s sets when the next comes,
-    once 11.9 s is at most the halved share (0.25) of the seconds skipped: after 48 plain steps, where
-    the model alone would have probed after 24 (the test above)."""
-    cost = CostModel(((1, 1.0), (2, 1.6)))
-    clock = [0.0]
-    policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5, clock=lambda: clock[0])
+def _run_blind(policy, rounds: int, clock: list, probe_round_s) -> list[int]:
+    """The blind drafter's decode on a fake clock: a plain step takes 1 s, a drafting round
+    probe_round_s(policy) seconds; the rounds that drafted."""
     blind = Draft(torch.arange(4))
-    for _ in range(150):
+    for _ in range(rounds):
         if policy.drafts(1):
             [w] = policy.widths([blind], 0.0)
             policy.observe(blind, w, [])
-            clock[0] += 10.0 if policy.answers[-2:-1] == [False] else 3.9  # after skipped rounds: their backlog
+            clock[0] += probe_round_s(policy)
         else:
             clock[0] += 1.0
-    assert [i for i, a in enumerate(policy.answers) if a] == [0, 12, 13, 61, 62, 110, 111]
+    return [i for i, a in enumerate(policy.answers) if a]
+
+
+def test_probes_keep_to_their_share_of_the_time_as_measured():
+    """The drafter of the test above, whose drafting rounds take the 3.9 s the model says, but the
+    first round of a probe takes 10 s on the clock (reading the skipped rounds' features), which no
+    drafting round timed alone shows: the model prices a probe at 2 × 2.9 s above plain steps. The
+    first probe (12, 13) is priced by the model; its measured 9 + 2.9 s joins the model's 5.8 s, whose
+    lower median is still the model's (the next probe after 24 plain steps, at the halved share 0.25);
+    once a second probe confirms it, 11.9 s sets when the next comes: after 48 plain steps, where the
+    model alone would have probed after 24 (the test above)."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    clock = [0.0]
+    policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5, clock=lambda: clock[0])
+    backlog = lambda p: 10.0 if p.answers[-2:-1] == [False] else 3.9  # noqa: E731 (after skipped rounds: their backlog)
+    assert _run_blind(policy, 150, clock, backlog) == [0, 12, 13, 37, 38, 86, 87, 135, 136]
     assert policy.residual("draft", 1) == pytest.approx(0.0)
     assert policy.probe_s == {1: pytest.approx(11.9)} and policy.probe_cost(1, 5.8) == pytest.approx(11.9)
     assert policy.probe_cost(2, 5.8) == pytest.approx(23.8)  # more rows: scaled from the most measured
     assert CountedGoodput(cost, positions=4).probe_cost(1, 5.8) == 5.8  # nothing measured: the model's
+
+
+@pytest.mark.parametrize("stalled", [0, 13], ids=["first-round", "probe"])
+def test_one_stalled_round_does_not_stop_the_probes(stalled):
+    """The same drafter, where one drafting round timed alone (a residual sample) stalls for 1000 s: a
+    compile of a shape not seen before, in a timed round. Round 0 (the first drafting round, before
+    any probe) or round 13 (the first probe's second round). The stalled residual, and the stalled
+    probe, would each price every later probe at about a thousand seconds, and a policy that has
+    stopped drafting would never probe again in these 150 rounds. A probe is priced without the
+    drafting residual, and the model's price stays in the probe window beside the stalled probe (their
+    lower median: the model's): probes keep coming, every 25 rounds at the least share (after round
+    0's stall, with the stalled residual even hope loses, so the first comes at explore_min's share
+    too), and the next probe's second round, a residual sample, brings the drafting residual back to
+    the model's."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    clock = [0.0]
+    policy = CountedGoodput(cost, positions=4, explore=0.5, explore_min=0.25, draft_time=0.5, clock=lambda: clock[0])
+    stall = lambda p: 1000.0 if len(p.answers) == stalled + 1 else 3.9  # noqa: E731
+    probes = _run_blind(policy, 150, clock, stall)
+    assert probes[:5] == {0: [0, 24, 25, 49, 50], 13: [0, 12, 13, 37, 38]}[stalled], probes
+    assert policy.probe_cost(1, 5.8) == pytest.approx(5.8) and policy.residual("draft", 1) == pytest.approx(0.0, abs=1e-9)
 
 
 def _distribution_with(policy_factory, drafter_name, params):
