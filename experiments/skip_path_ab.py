@@ -41,6 +41,7 @@ def main() -> int:
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "docs" / "results" / "skip_path_ab.json")
     args = p.parse_args()
+    monitor = LoadMonitor()  # from the start: the load before is the machine's, not this script's warm-up
     tok, target, drafter = load_embedded()
     d = drafter.with_config(block_size=16).to(torch.bfloat16)
     prompts, source = load_prompts("humaneval", args.prompts)
@@ -65,7 +66,6 @@ def main() -> int:
         fn(ids[0], 0)
     before = {name: policy.chosen.copy() for name, policy in policies.items()}
     totals = {name: [0, 0.0] for name in rows}
-    monitor = LoadMonitor()
     for rep in range(args.repetitions):
         for i, x in enumerate(ids):
             for name, fn in rows.items():
