@@ -110,7 +110,8 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
             continue  # admit again if some newcomers finished at once
         alive = rows.alive
         depths = [min(rows.left(r) - 1, drafter.block_size - 1) for r in alive]
-        skip = policy is not None and not policy.drafts(len(alive))  # nothing pays: a plain step for every row
+        # nothing to draft (plain decoding; every row's last token), or nothing pays: a plain step for every row
+        skip = max(depths) == 0 or (policy is not None and not policy.drafts(len(alive)))
         if skip:
             drafts = [empty] * len(alive)
         else:

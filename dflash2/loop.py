@@ -139,12 +139,13 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         while finish != "stop" and len(tokens) - prompt.shape[1] < max_new_tokens:
             budget = max_new_tokens - (len(tokens) - prompt.shape[1])
             t0 = time.perf_counter()
-            skip = policy is not None and not policy.drafts(1)  # nothing pays: a plain step, no draft
-            if skip:
+            depth = min(budget - 1, drafter.block_size - 1)  # the deepest draft that can commit
+            skip = depth == 0 or (policy is not None and not policy.drafts(1))  # nothing to draft, or nothing pays
+            if skip:  # a plain step
                 draft = empty
             else:
                 [drafted] = propose_rows(drafter, None, [draft_cache], [anchor], [pending.take()], tgt, params, rng,
-                                         verify, tree_nodes, [min(budget - 1, drafter.block_size - 1)])
+                                         verify, tree_nodes, [depth])
             sync()
             t1 = time.perf_counter()
             if not skip:

@@ -154,3 +154,21 @@ def test_a_repeated_signal_within_the_window_is_the_same_request(monkeypatch):
         with pytest.raises(run.Interrupted):
             os.kill(os.getpid(), signal.SIGINT)  # the user's second Ctrl-C, later: at once
             time.sleep(0.1)
+
+
+def test_once_the_stop_is_agreed_no_signal_breaks_into_it(monkeypatch):
+    """Under a launcher the first rank to leave gets the others signalled (seconds after the signal that
+    stopped the run, on a loaded machine): a rank still in its checkpoint, barrier or process group's
+    teardown must finish them, not raise out of them (which left torch's threads to abort the process
+    at exit, code -6, and the launcher to report a failure)."""
+    import dflash2.train.run as run
+
+    monkeypatch.setattr(run, "REPEAT_S", 0.1)
+    signals = {"defer": 1, "signum": signal.SIGTERM, "at": time.monotonic() - 1.0, "stopping": 1}
+    with run.stop_signals(signals):
+        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's, after the window
+        time.sleep(0.1)
+    signals["stopping"] = 0  # the mutant's case: the same signal with no stop agreed raises at once
+    with pytest.raises(run.Interrupted), run.stop_signals(signals):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.1)

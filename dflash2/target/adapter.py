@@ -119,6 +119,11 @@ class TargetAdapter:
     def device(self) -> torch.device:
         return self.model.get_input_embeddings().weight.device
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The model's activations' dtype (its embeddings'): the masks' dtype."""
+        return self.model.get_input_embeddings().weight.dtype
+
     # -- operations ------------------------------------------------------------------------------
     def new_cache(self) -> DynamicCache:
         # hybrid layers need their own cache layer types, which only the config says (and their snapshots
@@ -204,7 +209,7 @@ class TargetAdapter:
                         allowed: Tensor) -> dict[str, Tensor]:
         """forward_masked's additive masks [R, 1, W, S+W] per layer kind: `allowed`, and on a sliding
         kind only the keys within its window of each query's position."""
-        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = self.dtype
         masks = {}
         for kind, window in kinds.items():
             ok = allowed if window is None else allowed & (q_pos[:, :, None] - k_pos[:, None, :] < window)

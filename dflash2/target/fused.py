@@ -52,6 +52,12 @@ from ..layers import SDPA_GQA
 # RoPE types whose tables depend on the sequence length, not only on the position.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
 
+# Passes of at most this many tokens per row attend by matrix products: one-token passes (plain steps),
+# where PyTorch's CPU SDPA kernel, built for blocks of queries, costs more than the arithmetic of one
+# query per head. Wider passes (verifications, prefills) use SDPA, which measured as fast or faster
+# there (docs/architecture.md, "Performance choices").
+PRODUCT_ATTENTION_UP_TO = 1
+
 
 # oneDNN's linear with a weight prepacked by mkldnn._reorder_linear_weight, as an operator of its own, so
 # that a compiled step calls it as it is (`weight`: the plain weight, for the output's shape). Registered
@@ -164,6 +170,7 @@ class FusedDecoder:
         self.n_q = attn0.q_proj.out_features // self.head_dim
         self.n_kv = attn0.k_proj.out_features // self.head_dim
         self.scaling = float(getattr(attn0, "scaling", self.head_dim ** -0.5))
+        self.product_attention_up_to = PRODUCT_ATTENTION_UP_TO  # passes of at most this many tokens (_attention)
         self.linear_dtype = linear_dtype  # the matrix products' dtype (None: the weights')
         self.layers = [self._layer(layer, kind) for layer, kind in zip(decoder.layers, layer_kinds)]
         self.keep = tuple(keep)  # the layers whose hidden states a pass returns, in this order
@@ -222,7 +229,8 @@ class FusedDecoder:
             q, k = qk[:, :, :nq].transpose(1, 2), qk[:, :, nq:].transpose(1, 2)  # [R, heads, T, hd]
             keys[i][:, :, start:end] = k
             values[i][:, :, start:end] = qkv[..., (nq + nkv) * hd:].view(R, T, nkv, hd).transpose(1, 2)
-            o = _attention(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.kind], self.scaling)
+            o = _attention(q, keys[i][:, :, :end], values[i][:, :, :end], masks[layer.kind], self.scaling,
+                           products=T <= self.product_attention_up_to)
             x = x + layer.o(o.transpose(1, 2).reshape(R, T, nq * hd))
             gate, up = layer.gate_up(_rms_norm(x, layer.ln_mlp, eps)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)
@@ -241,8 +249,18 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    """q [R, nq, T, hd], k/v [R, nkv, S, hd] (grouped heads) → [R, nq, T, hd]."""
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float, products: bool = False) -> Tensor:
+    """q [R, nq, T, hd], k/v [R, nkv, S, hd] (grouped heads), mask additive [1 or R, 1, T, S] or None →
+    [R, nq, T, hd]. `products`: as two batched matrix products and a softmax, each K/V head's group of
+    query heads as one matrix (no copy of K/V per query head); else by PyTorch's SDPA."""
+    if products:
+        R, nq, T, hd = q.shape
+        nkv, S = k.shape[1], k.shape[2]
+        g = nq // nkv
+        scores = q.reshape(R, nkv, g * T, hd) @ k.transpose(-1, -2) * scale  # [R, nkv, g T, S]
+        if mask is not None:
+            scores = (scores.view(R, nkv, g, T, S) + mask[:, :, None]).view(R, nkv, g * T, S)
+        return (scores.softmax(-1) @ v).view(R, nq, T, hd)
     if SDPA_GQA:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]

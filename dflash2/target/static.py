@@ -115,6 +115,10 @@ class StaticTarget(TargetAdapter):
                                       f"'eager' or 'sdpa', the target uses {impl!r}")
         self.decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.head = model.get_output_embeddings()
+        # the device and dtype read once, as the step reads (the fused step: copies) the weights once; the
+        # model's own lookup costs microseconds in every pass
+        embeddings = model.get_input_embeddings().weight
+        self._device, self._dtype = embeddings.device, embeddings.dtype
         self.capacity = int(capacity or self.max_positions or 4096)
         self.kinds = self._attention_kinds()  # layer kind → sliding window (None: full)
         self.layer_kinds = list(getattr(self.config, "layer_types", None) or ["full_attention"] * self.num_layers)
@@ -138,6 +142,14 @@ class StaticTarget(TargetAdapter):
         # weights and the model's constants stay static, so a call's guards are few (dynamic=True made every
         # size symbolic, the weights' too, and Python-evaluated guards on them cost more than a layer's work)
         self._run = compile_own(self._step, dynamic=None) if compile else self._step
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
 
     # -- the cache --------------------------------------------------------------------------------
     def new_cache(self) -> StaticCache:
@@ -252,7 +264,7 @@ class StaticTarget(TargetAdapter):
         """Additive masks [1, 1, T, S] per layer kind: causal by position (or the tree's `allowed`),
         and each sliding kind's window by position; None where one query sees every key (a plain
         decoding step), which lets attention read the grouped K/V heads as they are."""
-        dtype = self.model.get_input_embeddings().weight.dtype
+        dtype = self.dtype
         out = {}
         for kind, window in self.kinds.items():
             if q_pos.shape[0] == 1 and allowed is None and (window is None or k_pos.shape[0] <= window):

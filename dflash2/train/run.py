@@ -358,9 +358,12 @@ def stop_signals(deferred: dict[str, int | None]) -> Iterator[None]:
     training loop stops at the end of the step it is in); otherwise, or at a second signal, raise
     Interrupted at once (the data regeneration: shards are written atomically). A repeat within
     REPEAT_S of the first is the same request delivered twice (under torchrun a worker gets Ctrl-C from
-    the terminal and again from the launcher, which forwards it), not a second one."""
+    the terminal and again from the launcher, which forwards it), not a second one. Once
+    deferred["stopping"] is set (the stop agreed), every signal is ignored."""
 
     def handler(signum, frame):
+        if deferred.get("stopping"):  # a stop agreed: the checkpoint and the ranks' leaving are under way
+            return
         if deferred.get("defer"):
             if deferred.get("signum") is None:
                 deferred["signum"], deferred["at"] = signum, time.monotonic()
@@ -599,7 +602,7 @@ def _merge(acc: dict[str, Any], new: dict[str, Any], n: int) -> dict[str, Any]:
 def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
     from tqdm import tqdm
 
-    signals: dict[str, int | None] = {"defer": 0, "signum": None}
+    signals: dict[str, int | None] = {"defer": 0, "signum": None, "stopping": 0}
     with stop_signals(signals):
         run = Run(cfg, log)
         run.load_data()
@@ -631,6 +634,9 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
                             **({"heldout_tau": f"{record['heldout_tau']:.2f}"} if "heldout_tau" in record else {}),
                             tok_s=f"{record['tokens_per_s']:.0f}", anc_s=f"{record['anchors_per_s']:.0f}")
             stop = run.agree_on_stop(signals["signum"])  # every rank stops after the same step
+            # from here no signal interrupts the stop: under a launcher, the first rank to exit gets the others
+            # signalled, which must not break into their checkpoint, barrier or process group's teardown
+            signals["stopping"] = int(stop is not None)
             if done % cfg.ckpt_every == 0 or done == end or stop is not None:
                 run.save(done, record)
             if stop is not None:  # saved just above
