@@ -136,21 +136,41 @@ def spec_generate_batch(drafter: Drafter, target, input_ids: Tensor, attention_m
                              rows.lengths[r], rows.finish[r], total_s=total, **timings) for r in range(N)]
 
 
+PREFILL_PADDING = 1.25  # a prefill group's padded tokens at most this many times its prompts' tokens
+
+
+def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
+    """The newcomers (their prompts' lengths) in groups prefilled together, left-padded to each group's
+    longest: longest first, a group taking the next prompt while its padded size (rows × longest)
+    stays within `padding` times its tokens. One padded pass over prompts of mixed lengths spent up to
+    half its work on padding (docs/architecture.md, "Performance choices")."""
+    groups: list[list[int]] = []
+    tokens = 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= padding * (tokens + lengths[i]):
+            groups[-1].append(i)
+            tokens += lengths[i]
+        else:
+            groups.append([i])
+            tokens = lengths[i]
+    return groups
+
+
 def _admit(rows: _Rows, newcomers: list[int], drafter: Drafter, tgt: TargetAdapter, context,
            params: SamplingParams, rng: RandomSource, stops: frozenset[int]) -> None:
     """Prefill the newcomers (left-padded, one pass), choose each one's first token, and append the
     rows that go on to the running batch: target cache, valid, pos, alive and the drafter context."""
-    new_cache, new_valid, new_pos, logits, features = _prefill(tgt, [rows.prompts[r] for r in newcomers])
+    new_cache, new_valid, new_pos, logits, features, at = _prefill_grouped(tgt, [rows.prompts[r] for r in newcomers])
     joined = []
-    for i, r in enumerate(newcomers):
-        rows.anchors[r], rows.features[r] = first_token(logits[i], params, rng), Backlog(features[i])
+    for i, r in enumerate(newcomers):  # newcomer i is row at[i] of the prefilled cache
+        rows.anchors[r], rows.features[r] = first_token(logits[at[i]], params, rng), Backlog(features[at[i]])
         rows.draft_caches[r] = None if context is not None else drafter.new_cache()
         rows.tokens[r].append(rows.anchors[r])
         if rows.anchors[r] in stops:
             rows.finish[r] = "stop"
         elif rows.max_new_tokens > 1:
             joined.append(i)
-    keep = torch.tensor(joined, dtype=torch.long)
+    keep = torch.tensor([at[i] for i in joined], dtype=torch.long)  # in the newcomers' order
     tgt.select_rows(new_cache, keep)
     if rows.alive:
         tgt.append_rows(rows.cache, new_cache)
@@ -253,6 +273,23 @@ def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:
         columns = used.nonzero()[:, 0]
         tgt.keep_slots(rows.cache, columns)
         rows.valid, rows.pos = rows.valid[:, columns], rows.pos[:, columns]
+
+
+def _prefill_grouped(tgt: TargetAdapter, prompts: list[Tensor]):
+    """_prefill in `prefill_groups`, their caches joined (group after group) → as _prefill, and at[i]:
+    the row of prompt i."""
+    groups = prefill_groups([len(p) for p in prompts])
+    cache, valid, pos, logits, features = _prefill(tgt, [prompts[i] for i in groups[0]])
+    for group in groups[1:]:
+        c, v, p, lg, f = _prefill(tgt, [prompts[i] for i in group])
+        tgt.append_rows(cache, c)
+        valid, pos = cat_rows_left_padded(valid, v, slot_dim=1), cat_rows_left_padded(pos, p, slot_dim=1)
+        logits, features = torch.cat([logits, lg]), features + f
+    order = [i for group in groups for i in group]  # the prompt in each row
+    at = [0] * len(prompts)
+    for row, i in enumerate(order):
+        at[i] = row
+    return cache, valid, pos, logits, features, at
 
 
 def _prefill(tgt: TargetAdapter, prompts: list[Tensor]):

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
-from dflash2.batch import left_pad
+from dflash2.batch import PREFILL_PADDING, left_pad, prefill_groups
 from dflash2.sampling import process_logits
 from dflash2.target.static import StaticTarget
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
@@ -93,15 +93,27 @@ def test_rows_accept_different_lengths_and_finished_rows_leave():
     stop = refs[1][len(prompts[1]) + 4]  # row 1 stops early (unless the token comes sooner elsewhere)
     expected = [hf_greedy(target, p, 30, [stop]) for p in prompts]
     adapter = TargetAdapter(target, (0,))
-    widths = []
+    widths, prefilled = [], []  # the rows of every decoding pass; of every prefill (its keys: its own tokens)
     forward = adapter.forward_masked
-    adapter.forward_masked = lambda ids, *a, **kw: widths.append(ids.shape[0]) or forward(ids, *a, **kw)
+    adapter.forward_masked = lambda ids, q, k, *a, **kw: \
+        (widths if k.shape[1] > q.shape[1] else prefilled).append(ids.shape[0]) or forward(ids, q, k, *a, **kw)
     results = spec_generate_batch(RowOracle(6, refs, [3, 4, 0]), adapter, *left_pad(prompts), max_new_tokens=30,
                                   stop_token_ids=[stop])
     assert [r.sequences[0].tolist() for r in results] == expected
     assert results[2].acceptance_lengths[0] == 6 and min(results[0].acceptance_lengths) < 6
-    assert widths[0] == 3 and widths[-1] < 3, widths  # rows that finished left the batch
+    assert sum(prefilled) == 3 and widths[-1] < widths[0] <= 3, widths  # rows that finished left the batch
     assert widths == sorted(widths, reverse=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=40))
+def test_prefill_groups_cover_every_newcomer_within_the_padding_bound(lengths):
+    groups = prefill_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert len(g) == 1 or len(g) * longest <= PREFILL_PADDING * sum(lengths[i] for i in g)
+    assert len(prefill_groups([100] * 8)) == 1 and len(prefill_groups([200, 10])) == 2
 
 
 def test_continuous_batching_admits_waiting_rows_as_others_finish():
@@ -123,7 +135,7 @@ def test_continuous_batching_admits_waiting_rows_as_others_finish():
     assert [r.sequences[0].tolist() for r in results] == expected
     prefills = [rows for rows, prefill in passes if prefill]
     last_admission = max(i for i, (_, prefill) in enumerate(passes) if prefill)
-    assert prefills[0] == 2 and sum(prefills) == len(prompts)  # two at first, then newcomers as rows finish
+    assert sum(prefills) == len(prompts) and max(prefills) <= 2  # two at first, then newcomers as rows finish
     assert all(rows == 2 for rows, prefill in passes[:last_admission] if not prefill), passes  # the batch stays full
     drain = [rows for rows, _ in passes[last_admission + 1:]]
     assert drain[0] == 2 and drain == sorted(drain, reverse=True)  # then it drains

@@ -355,7 +355,7 @@ class StaticTarget(TargetAdapter):
                 buffers[i][:R, :, :S] = old[:R, :, :S]
 
     def select_rows(self, cache, rows: Tensor) -> None:
-        """Keep only the batch rows `rows` (ascending), moved to the buffers' first rows."""
+        """Keep only the batch rows `rows`, in that order, moved to the buffers' first rows."""
         if not isinstance(cache, StaticCache):
             return super().select_rows(cache, rows)
         n = rows.numel()
