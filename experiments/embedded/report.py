@@ -302,10 +302,14 @@ def main() -> int:
                             "that morning: docs/architecture.md, \"Verification policies\"; other processes' CPU "
                             "0.01 s per s, but a 1-minute load average of 1.16 left by the test suite run before it: "
                             "not a quiet start by this project's rule; vLLM's bfloat16 plain decoding at 455 tokens/s "
-                            "at batch 1, the adaptive row 2.14× it). The table's run: 960d5b2 at 15:04 (hope as one "
-                            "margin on a round's tokens), a quiet start: load average 0.32, other processes' CPU "
-                            "0.00 s per s; vLLM's bfloat16 plain decoding ran at 473 tokens/s at batch 1, near the low "
-                            "end of its range across these runs.",
+                            "at batch 1, the adaptive row 2.14× it); 960d5b2 at 15:04 (hope as one margin on a round's "
+                            "tokens), a quiet start: load average 0.32, other processes' CPU 0.00 s per s; 8bdd5e6 at "
+                            "17:36 (one-token passes attending by matrix products, the plain step's Python trimmed: "
+                            "docs/architecture.md, \"Performance choices\"; load average 0.15, other processes' CPU "
+                            "0.00 s per s: our plain decoding 1.15× vLLM's bfloat16 at 8 rows, the adaptive row 1.15× "
+                            "there and 2.14× at batch 1). The table's run: 0e6c920 at 18:22 (newcomers prefilled in "
+                            "groups of similar length), a quiet start: load average 0.32, other processes' CPU 0.00 s "
+                            "per s; vLLM's bfloat16 plain decoding ran at 446 tokens/s at batch 1 and 2271 at 8 rows.",
                             vllm=True, cells=True)
     lines += _bench_section("bench_suites_embedded", "Published suites on the embedded pair (greedy, B = 16)",
                             "configs/bench/suites_embedded.yaml",
