@@ -142,8 +142,9 @@ PREFILL_PADDING = 1.25  # a prefill group's padded tokens at most this many time
 def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list[list[int]]:
     """The newcomers (their prompts' lengths) in groups prefilled together, left-padded to each group's
     longest: longest first, a group taking the next prompt while its padded size (rows × longest)
-    stays within `padding` times its tokens. One padded pass over prompts of mixed lengths spent up to
-    half its work on padding (docs/architecture.md, "Performance choices")."""
+    stays within `padding` times its tokens; each group's indices ascending (newcomers of one group keep
+    their order, and the cache its rows: nothing to move). One padded pass over prompts of mixed lengths
+    spent up to half its work on padding (docs/architecture.md, "Performance choices")."""
     groups: list[list[int]] = []
     tokens = 0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
@@ -153,7 +154,7 @@ def prefill_groups(lengths: list[int], padding: float = PREFILL_PADDING) -> list
         else:
             groups.append([i])
             tokens = lengths[i]
-    return groups
+    return [sorted(g) for g in groups]
 
 
 def _admit(rows: _Rows, newcomers: list[int], drafter: Drafter, tgt: TargetAdapter, context,
@@ -277,7 +278,7 @@ def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:
 
 def _prefill_grouped(tgt: TargetAdapter, prompts: list[Tensor]):
     """_prefill in `prefill_groups`, their caches joined (group after group) → as _prefill, and at[i]:
-    the row of prompt i."""
+    the row of prompt i (a dict)."""
     groups = prefill_groups([len(p) for p in prompts])
     cache, valid, pos, logits, features = _prefill(tgt, [prompts[i] for i in groups[0]])
     for group in groups[1:]:
@@ -286,9 +287,7 @@ def _prefill_grouped(tgt: TargetAdapter, prompts: list[Tensor]):
         valid, pos = cat_rows_left_padded(valid, v, slot_dim=1), cat_rows_left_padded(pos, p, slot_dim=1)
         logits, features = torch.cat([logits, lg]), features + f
     order = [i for group in groups for i in group]  # the prompt in each row
-    at = [0] * len(prompts)
-    for row, i in enumerate(order):
-        at[i] = row
+    at = {i: row for row, i in enumerate(order)}
     return cache, valid, pos, logits, features, at
 
 
