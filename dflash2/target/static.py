@@ -137,11 +137,15 @@ class StaticTarget(TargetAdapter):
                                       f"target ({self.fused_reason}); leave linear_dtype unset to run the model's layers")
         if compile:
             allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
-        self._compiled, self._warm = compile, set()  # the kinds of pass compiled so far ("single", "batch")
+        self._compiled, self._warm = compile, set()  # the kinds of pass warmed up so far ("single", "batch")
         # automatic dynamic shapes, the sizes a decode varies marked dynamic while warming up (_warm_up): the
         # weights and the model's constants stay static, so a call's guards are few (dynamic=True made every
         # size symbolic, the weights' too, and Python-evaluated guards on them cost more than a layer's work)
-        self._run = compile_own(self._step, dynamic=None) if compile else self._step
+        self._run = compile_own(self._step, dynamic=None) if compile else self._step  # passes after the prefill
+        # prefills, and a batch's wider passes (verification), compile apart: graphs of their own, whose guards
+        # a call checks only against its own kind's (docs/architecture.md, "Performance choices")
+        self._prefill_run = compile_own(self._step, dynamic=None) if compile else self._step
+        self._wide_run = compile_own(self._step, dynamic=None) if compile else self._step
 
     @property
     def device(self) -> torch.device:
@@ -211,7 +215,7 @@ class StaticTarget(TargetAdapter):
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        step = self._step if start == 0 else self._run  # a prefill (once per sequence, any length) runs eager
+        step = self._run if start > 0 else self._prefill_run if T > 1 else self._step  # a one-token prompt: eager
         if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         else:
@@ -227,19 +231,24 @@ class StaticTarget(TargetAdapter):
         warming up, every size a decode varies (rows, pass width, slots; the start changes between
         passes) is marked dynamic on each call, so that those graphs serve every later pass."""
         self._warm.add(kind)
-        compiled = self._run
+        names = ("_run", "_prefill_run", "_wide_run")
+        compiled = {name: getattr(self, name) for name in names}
 
-        def marking(ids, positions, masks, keys, values, start):
-            _vary(ids, positions, *(m for m in masks.values() if m is not None))
-            _vary(*keys, *values, dims=(0, 2))  # rows, slots (heads and head size are the model's)
-            return compiled(ids, positions, masks, keys, values, start)
+        def marking(run):
+            def call(ids, positions, masks, keys, values, start):
+                _vary(ids, positions, *(m for m in masks.values() if m is not None))
+                _vary(*keys, *values, dims=(0, 2))  # rows, slots (heads and head size are the model's)
+                return run(ids, positions, masks, keys, values, start)
+            return call
 
-        self._run = marking
+        for name in names:
+            setattr(self, name, marking(compiled[name]))
         try:
             with torch.no_grad():  # as the passes run (a graph traced with grad mode on is not theirs)
                 self._warm_up_passes(kind)
         finally:
-            self._run = compiled
+            for name in names:
+                setattr(self, name, compiled[name])
 
     def _warm_up_passes(self, kind: str) -> None:
         done = announce_compiling("the target's StaticTarget step" + (" for batches" if kind == "batch" else ""))
@@ -247,17 +256,22 @@ class StaticTarget(TargetAdapter):
         if kind == "single":
             scratch = StaticCache()
             self._reserve(scratch, 16)
-            for n in (2, 2, 3, 1, 1):  # a prefill (eager); wider passes, then one-token ones, at growing starts
+            for n in (2, 2, 3, 1, 1):  # a prefill; wider passes, then one-token ones, at growing starts
                 self._pass(zeros(1, n), torch.arange(scratch.length, scratch.length + n, device=self.device)[None],
                            scratch, None, None)
         else:
-            for rows in (3, 1):  # a prefill (eager), then two one-token passes
-                scratch, pos = StaticCache(), torch.arange(2, device=self.device).expand(rows, 2)
+            # positions as a decode builds them (contiguous: an expanded tensor's strides would be guarded on)
+            arange = lambda rows, lo, hi: torch.arange(lo, hi, device=self.device).repeat(rows, 1)  # noqa: E731
+            for rows in (3, 1):  # a prefill, one-token passes, wider passes (the last two: the buffers full, then not)
+                scratch, pos = StaticCache(), arange(rows, 0, 2)
                 self.forward_masked(zeros(rows, 2), pos, pos, torch.ones(rows, 2, 2, dtype=torch.bool).tril(), scratch)
                 for S in (2, 3):
                     self.forward_masked(zeros(rows, 1), torch.full((rows, 1), S, device=self.device),
-                                        torch.arange(S + 1, device=self.device).expand(rows, S + 1),
-                                        torch.ones(rows, 1, S + 1, dtype=torch.bool), scratch)
+                                        arange(rows, 0, S + 1), torch.ones(rows, 1, S + 1, dtype=torch.bool), scratch)
+                for S, W in ((4, 2), (6, 2), (8, 3)):
+                    allowed = torch.ones(rows, W, S + W, dtype=torch.bool)
+                    allowed[:, :, S:] = torch.ones(W, W, dtype=torch.bool).tril()
+                    self.forward_masked(zeros(rows, W), arange(rows, S, S + W), arange(rows, 0, S + W), allowed, scratch)
         done()
 
     def _masks(self, q_pos: Tensor, k_pos: Tensor, allowed: Tensor | None) -> dict[str, Tensor | None]:
@@ -321,9 +335,9 @@ class StaticTarget(TargetAdapter):
         masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()
         if self.fused is not None:
-            # compiled: a one-token pass after the prefill (plain steps, rounds not drafted); wider ones run eager,
-            # which their compiled graphs did not beat in whole decodes (docs/architecture.md, "Performance choices")
-            step = self._run if W == 1 and start > 0 else self._step
+            # compiled, each kind its own graphs: a prefill (a one-token one runs eager), a one-token pass (plain
+            # steps, rounds not drafted), a wider one (verification)
+            step = (self._prefill_run if W > 1 else self._step) if start == 0 else self._run if W == 1 else self._wide_run
             normed, features = step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
         else:
             with _quiet_output_hooks(), masked_gqa(self.config):
