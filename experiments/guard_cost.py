@@ -54,7 +54,7 @@ def main() -> int:
     for name in ("dynamic=True", "shipped"):
         st = StaticTarget(target, compile=True, linear_dtype="bfloat16")
         if name == "dynamic=True":
-            st._run = compile_own(st._step, dynamic=True)
+            st._runs = {kind: compile_own(st._step, dynamic=True) for kind in st._runs}
         variants[name] = st
 
     def one_token_steps(st: StaticTarget, rows: int, n: int = 50) -> None:

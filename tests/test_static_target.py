@@ -209,33 +209,40 @@ def test_the_compiled_step_compiles_only_while_warming_up():
     assert graphs() == before
 
 
-def test_each_kind_of_batched_pass_runs_its_own_graphs():
-    """A batch's prefills, one-token passes and wider passes (verification) go to three compiled
-    callables, each with graphs of its own (compiled or not, the routing is the same); a one-token
-    prompt's prefill runs eager. Routing a kind to another's graphs would mix their guards, routing it
-    to the eager step would drop its compilation: both fail here."""
+def test_each_kind_of_pass_runs_its_own_graphs():
+    """Prefills, batch 1's later passes, a batch's one-token passes and its wider passes (verification)
+    go to four compiled callables, each with graphs of its own (compiled or not, the routing is the
+    same); a one-token prompt's prefill runs eager. Routing a kind to another's graphs would mix their
+    guards, routing it to the eager step would drop its compilation: both fail here."""
     drafter = exact.DRAFTERS["sampled_walk_sparse_q"]()
-    tgt = StaticTarget(exact.target(), tuple(drafter.target_layer_ids))
     seen = []
 
-    def counting(name):
-        run = getattr(tgt, name)
+    def counted(tgt: StaticTarget) -> StaticTarget:
+        def counting(name, run):
+            def call(ids, positions, masks, keys, values, start):
+                seen.append((name, start == 0, ids.shape[1] > 1))  # (kind, a prefill, wider than one token)
+                return run(ids, positions, masks, keys, values, start)
+            return call
 
-        def call(ids, positions, masks, keys, values, start):
-            seen.append((name, start == 0, ids.shape[1]))
-            return run(ids, positions, masks, keys, values, start)
-        return call
+        tgt._runs = {name: counting(name, run) for name, run in tgt._runs.items()}
+        tgt._step = counting("eager", tgt._step)
+        return tgt
 
-    for name in ("_run", "_prefill_run", "_wide_run", "_step"):
-        setattr(tgt, name, counting(name))
+    tgt, plain = counted(StaticTarget(exact.target(), tuple(drafter.target_layer_ids))), counted(StaticTarget(exact.target()))
     prompts = [[1, 2, 0, 1, 1, 2], [0], [2, 2, 1], [1, 0]]
     ids, mask = left_pad(prompts)
     spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=8, concurrency=2, verify="tree", tree_nodes=4,
                         policy=SkipEveryOther())
-    spec_generate_batch(drafter, tgt, ids[1:2, -1:], None, max_new_tokens=3)  # a one-token prompt alone
-    kinds = {(name, prefill, width > 1) for name, prefill, width in seen}
-    assert kinds == {("_prefill_run", True, True), ("_step", True, False), ("_run", False, False),
-                     ("_wide_run", False, True)}, kinds
+    batch = set(seen)
+    assert batch == {("prefill", True, True), ("eager", True, False), ("one", False, False),
+                     ("wide", False, True)}, batch
+    seen.clear()
+    spec_generate(drafter, tgt, torch.tensor([prompts[0]]), max_new_tokens=8, verify="tree", tree_nodes=4)
+    ar_generate(plain, torch.tensor([prompts[0]]), max_new_tokens=3)
+    ar_generate(plain, torch.tensor([[0]]), max_new_tokens=3)  # a one-token prompt
+    single = set(seen)
+    assert single == {("prefill", True, True), ("eager", True, False), ("single", False, False),
+                      ("single", False, True)}, single
 
 
 class SkipEveryOther:

@@ -47,6 +47,10 @@ from .fused import FusedDecoder, Linear
 from ..layers import allow_recompiles, announce_compiling, compile_own
 from ..tree import TokenTree
 
+# the kinds of pass that compile apart (StaticTarget._runs): prefills; batch 1's passes after the prefill; a
+# batch's one-token passes (plain steps, rounds not drafted) and its wider ones (verification)
+PASS_KINDS = ("prefill", "single", "one", "wide")
+
 SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
 
 
@@ -141,11 +145,10 @@ class StaticTarget(TargetAdapter):
         # automatic dynamic shapes, the sizes a decode varies marked dynamic while warming up (_warm_up): the
         # weights and the model's constants stay static, so a call's guards are few (dynamic=True made every
         # size symbolic, the weights' too, and Python-evaluated guards on them cost more than a layer's work)
-        self._run = compile_own(self._step, dynamic=None) if compile else self._step  # passes after the prefill
-        # prefills, and a batch's wider passes (verification), compile apart: graphs of their own, whose guards
-        # a call checks only against its own kind's (docs/architecture.md, "Performance choices")
-        self._prefill_run = compile_own(self._step, dynamic=None) if compile else self._step
-        self._wide_run = compile_own(self._step, dynamic=None) if compile else self._step
+        # each kind of pass compiles apart, graphs of its own whose guards a call checks only against its own
+        # kind's (docs/architecture.md, "Performance choices"): prefills (batch 1 and batches), batch 1's passes
+        # after the prefill, a batch's one-token passes, a batch's wider passes (verification)
+        self._runs = {kind: compile_own(self._step, dynamic=None) if compile else self._step for kind in PASS_KINDS}
 
     @property
     def device(self) -> torch.device:
@@ -215,7 +218,7 @@ class StaticTarget(TargetAdapter):
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        step = self._run if start > 0 else self._prefill_run if T > 1 else self._step  # a one-token prompt: eager
+        step = self._runs["single"] if start > 0 else self._runs["prefill"] if T > 1 else self._step  # one token: eager
         if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         else:
@@ -231,8 +234,7 @@ class StaticTarget(TargetAdapter):
         warming up, every size a decode varies (rows, pass width, slots; the start changes between
         passes) is marked dynamic on each call, so that those graphs serve every later pass."""
         self._warm.add(kind)
-        names = ("_run", "_prefill_run", "_wide_run")
-        compiled = {name: getattr(self, name) for name in names}
+        compiled = dict(self._runs)
 
         def marking(run):
             def call(ids, positions, masks, keys, values, start):
@@ -241,14 +243,12 @@ class StaticTarget(TargetAdapter):
                 return run(ids, positions, masks, keys, values, start)
             return call
 
-        for name in names:
-            setattr(self, name, marking(compiled[name]))
+        self._runs = {name: marking(run) for name, run in compiled.items()}
         try:
             with torch.no_grad():  # as the passes run (a graph traced with grad mode on is not theirs)
                 self._warm_up_passes(kind)
         finally:
-            for name in names:
-                setattr(self, name, compiled[name])
+            self._runs = compiled
 
     def _warm_up_passes(self, kind: str) -> None:
         done = announce_compiling("the target's StaticTarget step" + (" for batches" if kind == "batch" else ""))
@@ -337,7 +337,7 @@ class StaticTarget(TargetAdapter):
         if self.fused is not None:
             # compiled, each kind its own graphs: a prefill (a one-token one runs eager), a one-token pass (plain
             # steps, rounds not drafted), a wider one (verification)
-            step = (self._prefill_run if W > 1 else self._step) if start == 0 else self._run if W == 1 else self._wide_run
+            step = (self._runs["prefill"] if W > 1 else self._step) if start == 0 else self._runs["one" if W == 1 else "wide"]
             normed, features = step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
         else:
             with _quiet_output_hooks(), masked_gqa(self.config):
