@@ -105,6 +105,48 @@ def test_rows_accept_different_lengths_and_finished_rows_leave():
     assert widths == sorted(widths, reverse=True)
 
 
+@pytest.mark.parametrize("step", ["adapter", "static"])
+def test_rows_read_their_own_features_after_rounds_that_do_not_draft(step):
+    """Rounds a policy does not draft are plain steps for every row; each row keeps its features for
+    the next round that drafts. Whatever the skipped stretches, a row's drafter reads exactly its own
+    sequence's target features, in order, each once (against a forward over the row alone); a row
+    given another row's features, or one feature twice, fails here (greedy outputs cannot show it:
+    they are lossless whatever the drafter reads)."""
+    target = tiny_target("qwen3")
+    prompts = [[5, 9, 2, 7], [1, 4], [3, 3, 3, 3, 3, 3, 8]]
+    refs = [hf_greedy(target, p, 24) for p in prompts]
+    read: dict[int, list[torch.Tensor]] = {}
+
+    class Recording(RowOracle):
+        def propose(self, cache, anchor, new_features, target, temperature, rng) -> Draft:
+            read.setdefault(cache["row"], []).append(new_features)
+            return super().propose(cache, anchor, new_features, target, temperature, rng)
+
+    class DraftEveryThird:
+        def __init__(self) -> None:
+            self.round = 0
+
+        def drafts(self, rows: int) -> bool:
+            self.round += 1
+            return self.round % 3 == 0
+
+        def widths(self, drafts, draft_s):
+            return [d.tokens.shape[0] for d in drafts]
+
+        def observe(self, draft, verified, accepted) -> None:
+            pass
+
+    adapter = TargetAdapter(target, (0,))
+    tgt = adapter if step == "adapter" else StaticTarget(target, (0,))
+    results = spec_generate_batch(Recording(5, refs, [3, 4, 0]), tgt, *left_pad(prompts), max_new_tokens=24,
+                                  policy=DraftEveryThird(), concurrency=2)
+    for row, r in enumerate(results):
+        got = torch.cat(read[row], dim=1)  # [1, n, F]: every feature the row's drafter read
+        assert len(read[row]) > 2 and got.shape[1] > len(prompts[row]) + 4  # several stretches, skipped rounds among them
+        want = adapter.forward(r.sequences[:, : got.shape[1]], adapter.new_cache()).features
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+
+
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.integers(1, 300), min_size=1, max_size=40))
 def test_prefill_groups_cover_every_newcomer_within_the_padding_bound(lengths):

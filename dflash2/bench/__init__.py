@@ -39,8 +39,8 @@ to `out`. Methods:
 
 With `target_steps: [hf, static]` every method of our loop also runs with the target's step through
 `StaticTarget` (the model's layers written out over a preallocated cache: rows end in `_static`;
-torch.compile'd in each table's untimed warm-up run: at batch 1 every pass but the prefill, in batches
-the one-token passes); "hf" is the model's own forward (TargetAdapter). `static_bf16mm` is the same
+torch.compile'd in each table's untimed warm-up run: every pass but a one-token prompt's prefill);
+"hf" is the model's own forward (TargetAdapter). `static_bf16mm` is the same
 step with bfloat16 matrix products (StaticTarget(linear_dtype="bfloat16"); rows end in
 `_static_bf16mm`): another arithmetic than the model's, so its rows are judged against plain decoding
 through the same step (the `= plain` column: greedy outputs identical to it).

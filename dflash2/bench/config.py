@@ -119,7 +119,7 @@ class BenchConfig:
     vllm_python: str | None = None
     vllm_dtypes: list[str] = field(default_factory=lambda: ["float32"])
     # How our loop runs the target: "hf" (TargetAdapter: the model's forward), "static" (StaticTarget: its
-    # layers written out over a preallocated cache, compiled at batch 1; rows end in _static) and/or
+    # layers written out over a preallocated cache, compiled; rows end in _static) and/or
     # "static_bf16mm" (the same with bfloat16 matrix products, StaticTarget(linear_dtype="bfloat16"): another
     # arithmetic than the model's, lossless with respect to itself; rows end in _static_bf16mm).
     target_steps: list[str] = field(default_factory=lambda: ["hf"])

@@ -16,8 +16,8 @@ so a rollback only moves the length back), and a mask built from positions. By d
 are not called as modules but written out (`dflash2.target.fused`: q/k/v and gate/up as one matrix
 each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
 calls the model's layer modules as above. The step can be put through `torch.compile`
-(`compile=True`: shapes warmed up dynamic, so the growing cache compiles once per kind of pass), as
-gpt-fast compiles its decoder; prefills stay eager; the eager path is the same function.
+(`compile=True`: shapes warmed up dynamic, so the growing cache compiles once per kind of pass, each
+kind with graphs of its own), as gpt-fast compiles its decoder; the eager path is the same function.
 
 Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
 (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
@@ -28,9 +28,10 @@ takes [R, W] ids at per-row positions with the loop's per-row key mask, over a c
 [rows, kv_heads, slots, hd] per layer. Appending a pass writes into the buffers; keeping a row's
 accepted slots moves a few columns down in place; a finished row's buffer row goes to the next
 prompt (`select_rows` compacts the rows, `append_rows` copies a prefilled newcomer in); the buffers
-grow (doubling) only when the rows or slots outrun them. With `compile`, a batch's one-token passes
-(plain steps, rounds not drafted) run compiled (dynamic rows and slots); its wider passes run eager
-(docs/architecture.md, "Performance choices").
+grow (doubling) only when the rows or slots outrun them. With `compile`, a batch's prefills, its
+one-token passes (plain steps, rounds not drafted) and its wider passes (verification) run compiled,
+each kind through graphs of its own (dynamic rows, widths and slots; docs/architecture.md,
+"Performance choices").
 """
 
 from __future__ import annotations
