@@ -32,28 +32,21 @@ class Outcome:
 class Backlog:
     """One row's target features the drafter has not read yet: [1, n_i, F] chunks added each round
     and joined once, when the drafter reads them (`take`), so that a stretch of rounds that do not
-    draft does not copy its growing backlog every round. A batch's plain step adds each row's
-    features as (the pass's [R, 1, F], the row), sliced only when taken: rounds that do not draft
-    then cost no tensor operation per row."""
+    draft does not copy its growing backlog every round."""
 
     __slots__ = ("chunks",)
 
     def __init__(self, features: Tensor | None = None) -> None:
-        self.chunks: list[Tensor | tuple[Tensor, int]] = []
+        self.chunks: list[Tensor] = []
         self.add(features)
 
     def add(self, features: Tensor | None) -> None:
         if features is not None:
             self.chunks.append(features)
 
-    def add_row(self, features: Tensor, row: int) -> None:
-        """Row `row` of a batch's features [R, n, F]."""
-        self.chunks.append((features, row))
-
     def take(self) -> Tensor | None:
         """Every chunk in order as one [1, n, F] (None when there is none); the backlog is empty after."""
         chunks, self.chunks = self.chunks, []
-        chunks = [c if isinstance(c, Tensor) else c[0][c[1]: c[1] + 1] for c in chunks]
         if len(chunks) <= 1:
             return chunks[0] if chunks else None
         return torch.cat(chunks, dim=1)

@@ -397,3 +397,21 @@ def random_selector_tensors(method: str, cfg: dict, seed: int = 0, scale: float 
               f"lilicorr.{p}attn.in_proj_weight": r(3 * h, h), f"lilicorr.{p}attn.in_proj_bias": r(3 * h)}
         t |= linear(p + "attn.out_proj", h, h) | linear(p + "mlp.up_proj", h, inner) | linear(p + "mlp.down_proj", inner, h)
     return t
+
+
+class DraftEvery:
+    """A verification policy that drafts every n-th round (verifying all of it) and skips the others:
+    those rounds are a batch's plain steps for every row."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.round = n, 0
+
+    def drafts(self, rows: int) -> bool:
+        self.round += 1
+        return self.round % self.n == 0
+
+    def widths(self, drafts, draft_s):
+        return [d.tokens.shape[0] for d in drafts]
+
+    def observe(self, draft, verified, accepted) -> None:
+        pass

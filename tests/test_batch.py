@@ -20,9 +20,9 @@ from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_gen
 from dflash2.batch import PREFILL_PADDING, left_pad, prefill_groups
 from dflash2.sampling import process_logits
 from dflash2.target.static import StaticTarget
-from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, enumerate_outcomes, exact_ar_distribution,
-                           hf_greedy, max_abs_diff, needs_hybrid_transformers, oracle_tree_drafter, perturb_selector,
-                           tiny_drafter, tiny_target)
+from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, DraftEvery, enumerate_outcomes,
+                           exact_ar_distribution, hf_greedy, max_abs_diff, needs_hybrid_transformers,
+                           oracle_tree_drafter, perturb_selector, tiny_drafter, tiny_target)
 
 
 class RowOracle:
@@ -122,24 +122,10 @@ def test_rows_read_their_own_features_after_rounds_that_do_not_draft(step):
             read.setdefault(cache["row"], []).append(new_features)
             return super().propose(cache, anchor, new_features, target, temperature, rng)
 
-    class DraftEveryThird:
-        def __init__(self) -> None:
-            self.round = 0
-
-        def drafts(self, rows: int) -> bool:
-            self.round += 1
-            return self.round % 3 == 0
-
-        def widths(self, drafts, draft_s):
-            return [d.tokens.shape[0] for d in drafts]
-
-        def observe(self, draft, verified, accepted) -> None:
-            pass
-
     adapter = TargetAdapter(target, (0,))
     tgt = adapter if step == "adapter" else StaticTarget(target, (0,))
     results = spec_generate_batch(Recording(5, refs, [3, 4, 0]), tgt, *left_pad(prompts), max_new_tokens=24,
-                                  policy=DraftEveryThird(), concurrency=2)
+                                  policy=DraftEvery(3), concurrency=2)
     for row, r in enumerate(results):
         got = torch.cat(read[row], dim=1)  # [1, n, F]: every feature the row's drafter read
         assert len(read[row]) > 2 and got.shape[1] > len(prompts[row]) + 4  # several stretches, skipped rounds among them

@@ -16,7 +16,8 @@ from dflash2.batch import left_pad
 from dflash2.target.static import StaticTarget
 from tests import test_exact_distribution as exact
 from dflash2.sampling import process_logits
-from tests.helpers import HAS_CXX_COMPILER, MASK, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target, with_linears_in
+from tests.helpers import (HAS_CXX_COMPILER, MASK, DraftEvery, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target,
+                           with_linears_in)
 
 ARCHS = ["qwen3", "llama", "mistral_sliding"]
 BF16 = torch.bfloat16
@@ -178,7 +179,7 @@ def test_the_compiled_step_is_lossless():
     assert [r.sequences[0].tolist() for r in ar_generate_batch(plain, ids, mask, max_new_tokens=12, concurrency=3)] == want
     assert plain._warm == {"batch"}  # the batch-1 graphs compile only when a batch-1 pass comes
     rows = spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=12, concurrency=3, verify="tree", tree_nodes=4,
-                               policy=SkipEveryOther())
+                               policy=DraftEvery(2))
     assert [r.sequences[0].tolist() for r in rows] == want
 
 
@@ -205,7 +206,7 @@ def test_the_compiled_step_compiles_only_while_warming_up():
     for rows in (5, 4, 2):  # continuous batching: the rows in flight shrink as rows finish
         ar_generate_batch(plain, ids, mask, max_new_tokens=7, concurrency=rows)
         spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=7, concurrency=rows, verify="tree", tree_nodes=4,
-                            policy=SkipEveryOther())
+                            policy=DraftEvery(2))
     assert graphs() == before
 
 
@@ -232,7 +233,7 @@ def test_each_kind_of_pass_runs_its_own_graphs():
     prompts = [[1, 2, 0, 1, 1, 2], [0], [2, 2, 1], [1, 0]]
     ids, mask = left_pad(prompts)
     spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=8, concurrency=2, verify="tree", tree_nodes=4,
-                        policy=SkipEveryOther())
+                        policy=DraftEvery(2))
     batch = set(seen)
     assert batch == {("prefill", True, True), ("eager", True, False), ("one", False, False),
                      ("wide", False, True)}, batch
@@ -243,23 +244,6 @@ def test_each_kind_of_pass_runs_its_own_graphs():
     single = set(seen)
     assert single == {("prefill", True, True), ("eager", True, False), ("single", False, False),
                       ("single", False, True)}, single
-
-
-class SkipEveryOther:
-    """A policy whose every other round drafts nothing (a batch's plain one-token step), the rest verify in full."""
-
-    def __init__(self) -> None:
-        self.round = 0
-
-    def drafts(self, rows: int) -> bool:
-        self.round += 1
-        return self.round % 2 == 0
-
-    def widths(self, drafts, draft_s):
-        return [d.tokens.shape[0] for d in drafts]
-
-    def observe(self, draft, verified, accepted) -> None:
-        pass
 
 
 def recording(target):

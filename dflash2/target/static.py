@@ -219,7 +219,7 @@ class StaticTarget(TargetAdapter):
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
         masks = self._masks(positions[0], key_positions, allowed)
-        step = self._runs["single"] if start > 0 else self._runs["prefill"] if T > 1 else self._step  # one token: eager
+        step = self._runner(start, T, batch=False)
         if self.fused is not None:  # no transformers layer runs: neither its hooks nor its attention table matter
             normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         else:
@@ -227,6 +227,13 @@ class StaticTarget(TargetAdapter):
                 normed, features = step(ids, positions, masks, cache.keys, cache.values, start)
         cache.length = start + T
         return self.head(normed[:, -(keep_logits or T):]), features
+
+    def _runner(self, start: int, width: int, batch: bool):
+        """The step a pass of `width` tokens per row after `start` cached slots runs through: its kind's
+        compiled graphs (PASS_KINDS), or eager for a one-token prompt's prefill."""
+        if start == 0:
+            return self._runs["prefill"] if width > 1 else self._step
+        return self._runs["one" if width == 1 else "wide"] if batch else self._runs["single"]
 
     def _warm_up(self, kind: str) -> None:
         """Compile the step's graphs for one kind of pass on a scratch cache before the first real one,
@@ -336,9 +343,7 @@ class StaticTarget(TargetAdapter):
         masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()
         if self.fused is not None:
-            # compiled, each kind its own graphs: a prefill (a one-token one runs eager), a one-token pass (plain
-            # steps, rounds not drafted), a wider one (verification)
-            step = (self._runs["prefill"] if W > 1 else self._step) if start == 0 else self._runs["one" if W == 1 else "wide"]
+            step = self._runner(start, W, batch=True)
             normed, features = step(ids.to(self.device), q_pos.to(self.device), masks, keys, values, start)
         else:
             with _quiet_output_hooks(), masked_gqa(self.config):
