@@ -15,6 +15,7 @@ unless its config gives it its own (`own_embedding`, `own_lm_head`: a published 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -30,7 +31,7 @@ from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates, RoundContext
-from .layers import allow_recompiles, announce_compiling, compile_own
+from .layers import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -376,19 +377,23 @@ class DFlash2Drafter(nn.Module):
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
 
     # -- one drafting round at batch 1 (propose, propose_tree): one call, one graph when compiled ------
-    def compile(self, *args: Any, **kwargs: Any) -> None:
+    def compile(self, *args: Any, gemm: str = "auto", **kwargs: Any) -> None:
         """torch.compile the batch-1 drafting round in place (`draft_round`'s tensor work, `_round`):
         context projection, block pass, LM head, top-K and the lattice's scores run as one graph, one
         call per round. Arguments go to torch.compile; `dynamic=True` suits decoding, where the
         context grows every round. (`backbone.compile` compiles the block pass and the projection
-        separately: two calls per round, and the batched path's passes.)"""
-        allow_recompiles(64)  # a graph per shape that specialises
+        separately: two calls per round, and the batched path's passes.) `gemm` (dflash2.layers.gemm_choice):
+        "inductor" (the default on CPU) freezes the drafter's weights, and the target's LM head it reads,
+        into the graphs as constants: the graphs do not see later changes to them (compile after loading
+        or training, and compile a copy per target)."""
         if args:
             raise TypeError("DFlash2Drafter.compile takes torch.compile's options as keywords")
+        gemm = gemm_choice(gemm, {p.device for p in self.parameters()})  # (checked before anything changes)
+        allow_recompiles(64)  # a graph per shape that specialises
         for device in {p.device for p in self.parameters()}:  # the rotary table as a decode finds it (a graph
             self.backbone.rotary.inverse_frequencies(device)     # traced before it is filled is traced again after)
         self._round = compile_own(self._round, **kwargs)
-        self._warmed = set()
+        self._warmed, self._gemm = set(), gemm
 
     def _warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
         """Compile the round's graphs before the first real round, on scratch caches, so that no
@@ -399,10 +404,11 @@ class DFlash2Drafter(nn.Module):
         self._warmed.add(lattice)
         done = announce_compiling("the drafter's round")
         features = lambda n: torch.zeros(1, n, like.shape[-1], dtype=like.dtype, device=like.device)  # noqa: E731
-        for sizes in ((3, 2, 1), (1, 1), (1, 2)):  # the features each round reads, from an empty context on
-            scratch = self.new_cache()
-            for n in sizes:
-                self.draft_round(scratch, 0, features(n), target, lattice)
+        with inductor_gemm() if self._gemm == "inductor" else contextlib.nullcontext():
+            for sizes in ((3, 2, 1), (1, 1), (1, 2)):  # the features each round reads, from an empty context on
+                scratch = self.new_cache()
+                for n in sizes:
+                    self.draft_round(scratch, 0, features(n), target, lattice)
         done()
 
     def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,

@@ -209,3 +209,29 @@ def announce_compiling(what: str) -> Callable[[], None]:
     return lambda: print(f"compiled {what} in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
 
 
+GEMMS = ("auto", "inductor", "aten")
+
+
+def gemm_choice(gemm: str, devices) -> str:
+    """How a compiled graph runs its matrix products (a `gemm` option): "inductor", inductor's own C++
+    GEMM kernels over the weights frozen into the graph (`inductor_gemm`); "aten", calls to the
+    library's kernels (oneDNN, MKL, cuBLAS), the weights read as inputs. "auto": "inductor" where every
+    device in `devices` is the CPU, where a small model's products cost more in each library call's
+    overhead than in arithmetic (docs/architecture.md, "Performance choices"); else "aten"."""
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm must be one of {', '.join(GEMMS)}, got {gemm!r}")
+    if gemm == "auto":
+        return "inductor" if all(torch.device(d).type == "cpu" for d in devices) else "aten"
+    return gemm
+
+
+def inductor_gemm():
+    """Inductor's configuration while a graph with gemm="inductor" compiles: the module parameters it
+    reads frozen into it as constants (inference only: a graph does not see later changes to them), and
+    each matrix product chosen, by timing, among inductor's C++ GEMM templates (the weight packed at
+    compile time for AMX or AVX-512 microkernels) and ATen's call."""
+    import torch._inductor.config as inductor_config
+
+    return inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                                  autotune_num_choices_displayed=0)  # (the timings, printed by default)
+

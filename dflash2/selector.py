@@ -80,7 +80,8 @@ class PairwiseSelector(nn.Module):
         """
         U = cands.scores.to(torch.promote_types(hidden.dtype, torch.float32))
         anchor_ids = torch.as_tensor(anchor, device=cands.ids.device).reshape(*cands.ids.shape[:-2], 1)
-        first = U[..., 0, :] + self.edge_scores(anchor_ids, hidden[..., 0, :], cands.ids[..., 0, :])[..., 0, :]
+        # (position 0 kept as a dimension: a graph frozen for inductor mishandles a product over a 1-D hidden)
+        first = U[..., 0, :] + self.edge_scores(anchor_ids[..., None, :], hidden[..., :1, :], cands.ids[..., :1, :])[..., 0, 0, :]
         steps = U[..., 1:, None, :] + self.edge_scores(cands.ids[..., :-1, :], hidden[..., 1:, :], cands.ids[..., 1:, :])
         return first, steps
 

@@ -145,12 +145,13 @@ def test_exact_distribution_with_bf16_products():
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_target(layers: tuple[int, ...]) -> StaticTarget:
-    return StaticTarget(exact.target(), layers, compile=True)
+def compiled_target(layers: tuple[int, ...], gemm: str = "auto") -> StaticTarget:
+    return StaticTarget(exact.target(), layers, compile=True, gemm=gemm)
 
 
 @pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
-def test_the_compiled_step_is_lossless():
+@pytest.mark.parametrize("gemm", ["auto", "aten"])
+def test_the_compiled_step_is_lossless(gemm):
     """The compiled path: the exact sampled distribution, and greedy decoding equals generate.
 
     The model computes its RoPE tables in float32 (transformers does, whatever the model's dtype), and
@@ -159,7 +160,7 @@ def test_the_compiled_step_is_lossless():
     tolerances below allow that, far under what the mutants of test_exact_distribution shift
     (DETECT = 1e-4)."""
     drafter = exact.DRAFTERS["sampled_walk_sparse_q"]()
-    tgt = compiled_target(tuple(drafter.target_layer_ids))
+    tgt = compiled_target(tuple(drafter.target_layer_ids), gemm)
     ids = torch.tensor([[1, 2, 0, 1]])
     eager = TargetAdapter(exact.target(), drafter.target_layer_ids)
     assert (tgt.forward(ids, tgt.new_cache()).logits - eager.forward(ids, eager.new_cache()).logits).abs().max() < 1e-6
@@ -175,12 +176,43 @@ def test_the_compiled_step_is_lossless():
     prompts = [[1, 2, 0, 1, 1, 2], [0], [2, 2, 1], [1, 0]]
     want = [hf_greedy(exact.target(), p, 12) for p in prompts]
     ids, mask = left_pad(prompts)
-    plain = StaticTarget(exact.target(), compile=True)
+    plain = StaticTarget(exact.target(), compile=True, gemm=gemm)
     assert [r.sequences[0].tolist() for r in ar_generate_batch(plain, ids, mask, max_new_tokens=12, concurrency=3)] == want
     assert plain._warm == {"batch"}  # the batch-1 graphs compile only when a batch-1 pass comes
     rows = spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=12, concurrency=3, verify="tree", tree_nodes=4,
                                policy=DraftEvery(2))
     assert [r.sequences[0].tolist() for r in rows] == want
+
+
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+@pytest.mark.parametrize("gemm", ["inductor", "aten"])
+def test_gemm_decides_who_writes_the_compiled_products(gemm):
+    """gemm="inductor": the compiled graphs hold the weights as frozen constants and call no prepacked
+    oneDNN product (inductor writes or picks each product itself); gemm="aten": each product is the
+    prepacked oneDNN call, the weights read as they are. Either mechanism dropped (the products left as
+    library calls, or the weights not frozen) fails here."""
+    from torch._inductor.utils import run_and_get_code
+
+    tgt = StaticTarget(exact.target(), compile=True, linear_dtype=BF16, gemm=gemm)
+    _, codes = run_and_get_code(tgt._warm_up, "single")
+    code = "\n".join(codes)
+    assert codes and ("packed_linear" in code) == (gemm == "aten")
+    assert ("_frozen_param" in code) == (gemm == "inductor")
+
+
+def test_gemm_is_checked():
+    """A gemm that is not one of the choices, or "inductor" without a compiled fused step, is refused;
+    "auto" without compilation is the eager path's library call."""
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        StaticTarget(exact.target(), gemm="mkl")
+    with pytest.raises(ValueError, match="needs compile=True"):
+        StaticTarget(exact.target(), gemm="inductor")
+    with pytest.raises(ValueError, match="needs compile=True"):
+        StaticTarget(exact.target(), compile=True, fused=False, gemm="inductor")
+    assert StaticTarget(exact.target()).gemm == "aten"
+    assert StaticTarget(exact.target(), compile=True).gemm == "inductor"
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        exact.DRAFTERS["sampled_walk_sparse_q"]().compile(gemm="mkl")
 
 
 @pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")

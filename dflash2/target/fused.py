@@ -83,8 +83,10 @@ class Linear:
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, dtype: torch.dtype | None = None) -> None:
         self.dtype = dtype or weight.dtype
-        self.weight = weight.detach().to(self.dtype)
-        self.bias = None if bias is None else bias.detach().to(self.dtype)
+        # parameters: a graph compiled with inductor's freezing takes them as constants (`in_graph`)
+        self.weight = nn.Parameter(weight.detach().to(self.dtype), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(self.dtype), requires_grad=False)
+        self.in_graph = "aten"  # how a compiled graph multiplies: "aten" (the packed call), "inductor" (its own)
         self.packed = None
         if weight.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16) and _onednn():
             # oneDNN picks its weight layout from the expected rows per call; measured choices
@@ -98,6 +100,8 @@ class Linear:
         return self._product(x)
 
     def _product(self, x: Tensor) -> Tensor:
+        if self.in_graph == "inductor" and torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)  # a product inductor writes itself (StaticTarget's gemm)
         if self.packed is not None:
             if torch.compiler.is_compiling():
                 return torch.ops.dflash2.packed_linear(x, self.packed, self.weight, self.bias)
@@ -202,6 +206,10 @@ class FusedDecoder:
             gate_up=lin(w(m.gate_proj, m.up_proj), _cat(m.gate_proj.bias, m.up_proj.bias)),
             down=lin(m.down_proj.weight.detach(), m.down_proj.bias),
             kind=kind)
+
+    def linears(self) -> list[Linear]:
+        """Every layer's matrix products."""
+        return [lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
 
     def step(self, ids: Tensor, positions: Tensor, masks: dict[str, Tensor | None], keys: list[Tensor],
              values: list[Tensor], start: int) -> tuple[Tensor, list[Tensor]]:

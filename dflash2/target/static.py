@@ -36,6 +36,8 @@ each kind through graphs of its own (dynamic rows, widths and slots; docs/archit
 
 from __future__ import annotations
 
+import contextlib
+
 import inspect
 from dataclasses import dataclass, field
 
@@ -45,7 +47,7 @@ from torch import Tensor, nn
 from .adapter import TargetAdapter, TargetStep
 from .attention import masked_gqa
 from .fused import FusedDecoder, Linear
-from ..layers import allow_recompiles, announce_compiling, compile_own
+from ..layers import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
 from ..tree import TokenTree
 
 # the kinds of pass that compile apart (StaticTarget._runs): prefills; batch 1's passes after the prefill; a
@@ -104,10 +106,17 @@ class StaticTarget(TargetAdapter):
            float32 everywhere else (residual stream, norms, attention, cache). This changes the target's
            arithmetic: decoding through this StaticTarget is lossless with respect to it, not to the
            model's own forward (dflash2.target.fused). Needs the fused step.
+    gemm: how the compiled fused step multiplies (dflash2.layers.gemm_choice). "inductor" (what "auto" picks
+           for a compiled fused step on CPU): the weights frozen into each graph as constants, each
+           product one of inductor's C++ GEMM kernels (or ATen's, whichever its timing at compile time
+           prefers); the calls into oneDNN cost more than a small model's products. Each graph then
+           holds its own packed copy of the weights, and the warm-up takes minutes (the timing).
+           "aten": the prepacked oneDNN call (F.linear off the CPU), the weights shared by every graph.
     """
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), *, capacity: int | None = None,
-                 compile: bool = False, fused: bool = True, linear_dtype: torch.dtype | str | None = None) -> None:
+                 compile: bool = False, fused: bool = True, linear_dtype: torch.dtype | str | None = None,
+                 gemm: str = "auto") -> None:
         super().__init__(model, layer_ids)
         linear_dtype = _dtype(linear_dtype)
         kind = getattr(self.config, "model_type", None)
@@ -140,6 +149,10 @@ class StaticTarget(TargetAdapter):
         if linear_dtype is not None and self.fused is None:
             raise NotImplementedError(f"linear_dtype={linear_dtype} needs the fused step, which does not run this "
                                       f"target ({self.fused_reason}); leave linear_dtype unset to run the model's layers")
+        self.gemm = _gemm(gemm, compile, self.fused, self._device)
+        if self.gemm == "inductor":
+            for lin in (*self.fused.linears(), self.head):
+                lin.in_graph = "inductor"
         if compile:
             allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
         self._compiled, self._warm = compile, set()  # the kinds of pass warmed up so far ("single", "batch")
@@ -253,7 +266,8 @@ class StaticTarget(TargetAdapter):
 
         self._runs = {name: marking(run) for name, run in compiled.items()}
         try:
-            with torch.no_grad():  # as the passes run (a graph traced with grad mode on is not theirs)
+            # as the passes run (a graph traced with grad mode on is not theirs); the graphs' products (gemm)
+            with torch.no_grad(), (inductor_gemm() if self.gemm == "inductor" else contextlib.nullcontext()):
                 self._warm_up_passes(kind)
         finally:
             self._runs = compiled
@@ -439,6 +453,18 @@ class StaticTarget(TargetAdapter):
                 index = (start + slots).to(self.device)[:, None, :, None].expand(R, b.shape[1], n, b.shape[3])
                 b[:, :, start: start + n] = b.gather(2, index)
         cache.length = start + n
+
+
+def _gemm(gemm: str, compile: bool, fused: FusedDecoder | None, device: torch.device) -> str:
+    """StaticTarget's `gemm` resolved (dflash2.layers.gemm_choice): "inductor" needs the compiled fused
+    step; "aten" is the prepacked oneDNN call on CPU (F.linear elsewhere)."""
+    if gemm == "auto" and (not compile or fused is None):
+        return "aten"
+    gemm = gemm_choice(gemm, [device])
+    if gemm == "inductor" and (not compile or fused is None):
+        raise ValueError("gemm='inductor' is how the compiled fused step multiplies: it needs compile=True and a "
+                         "target the fused step runs" + ("" if fused is not None else ": fused_reason says why it does not"))
+    return gemm
 
 
 def _vary(*tensors: Tensor, dims: tuple[int, ...] | None = None) -> None:
