@@ -233,5 +233,6 @@ def inductor_gemm():
     import torch._inductor.config as inductor_config
 
     return inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                                  autotune_num_choices_displayed=0)  # (the timings, printed by default)
+                                  autotune_num_choices_displayed=0,  # (the timings, printed by default)
+                                  max_autotune_report_choices_stats=False)
 

@@ -186,18 +186,22 @@ def test_the_compiled_step_is_lossless(gemm):
 
 @pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
 @pytest.mark.parametrize("gemm", ["inductor", "aten"])
-def test_gemm_decides_who_writes_the_compiled_products(gemm):
+def test_gemm_decides_who_writes_the_compiled_products(gemm, capfd):
     """gemm="inductor": the compiled graphs hold the weights as frozen constants and call no prepacked
     oneDNN product (inductor writes or picks each product itself); gemm="aten": each product is the
     prepacked oneDNN call, the weights read as they are. Either mechanism dropped (the products left as
-    library calls, or the weights not frozen) fails here."""
+    library calls, or the weights not frozen) fails here. Autotuning prints its timings by default: a
+    warm-up off a terminal prints nothing."""
     from torch._inductor.utils import run_and_get_code
 
     tgt = StaticTarget(exact.target(), compile=True, linear_dtype=BF16, gemm=gemm)
+    capfd.readouterr()
     _, codes = run_and_get_code(tgt._warm_up, "single")
     code = "\n".join(codes)
     assert codes and ("packed_linear" in code) == (gemm == "aten")
     assert ("_frozen_param" in code) == (gemm == "inductor")
+    printed = capfd.readouterr()
+    assert "utotune" not in printed.out + printed.err
 
 
 def test_gemm_is_checked():

@@ -17,7 +17,9 @@ so a layer runs four matrix products instead of seven, and RoPE is a lookup in t
 by the model's own rotary module once per pass. On CPU, float32 and bfloat16 weights are prepacked for
 oneDNN's matrix multiply (the layout inductor's weight freezing uses), which reads the weights of
 a one-token or a 16-token pass faster than the unpacked `F.linear`
-(docs/architecture.md, "Performance choices"); other devices and dtypes use `F.linear`.
+(docs/architecture.md, "Performance choices"); other devices and dtypes use `F.linear`. In a graph
+compiled with StaticTarget's gemm="inductor" (its default on CPU) each product is `F.linear` over the
+weights as parameters, which inductor freezes into the graph and multiplies with kernels of its own.
 
 `linear_dtype` (StaticTarget's option) runs the matrix products, the LM head's included, in another
 dtype than the model's, as autocast would: weights stored in it, each product's input cast to it and
