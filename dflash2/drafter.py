@@ -15,7 +15,6 @@ unless its config gives it its own (`own_embedding`, `own_lm_head`: a published 
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -388,9 +387,10 @@ class DFlash2Drafter(nn.Module):
         or training, and compile a copy per target)."""
         if args:
             raise TypeError("DFlash2Drafter.compile takes torch.compile's options as keywords")
-        gemm = gemm_choice(gemm, {p.device for p in self.parameters()})  # (checked before anything changes)
+        devices = {p.device for p in self.parameters()}
+        gemm = gemm_choice(gemm, devices)  # (checked before anything changes)
         allow_recompiles(64)  # a graph per shape that specialises
-        for device in {p.device for p in self.parameters()}:  # the rotary table as a decode finds it (a graph
+        for device in devices:  # the rotary table as a decode finds it (a graph
             self.backbone.rotary.inverse_frequencies(device)     # traced before it is filled is traced again after)
         self._round = compile_own(self._round, **kwargs)
         self._warmed, self._gemm = set(), gemm
@@ -404,7 +404,7 @@ class DFlash2Drafter(nn.Module):
         self._warmed.add(lattice)
         done = announce_compiling("the drafter's round")
         features = lambda n: torch.zeros(1, n, like.shape[-1], dtype=like.dtype, device=like.device)  # noqa: E731
-        with inductor_gemm() if self._gemm == "inductor" else contextlib.nullcontext():
+        with inductor_gemm(self._gemm):
             for sizes in ((3, 2, 1), (1, 1), (1, 2)):  # the features each round reads, from an empty context on
                 scratch = self.new_cache()
                 for n in sizes:

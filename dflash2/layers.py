@@ -225,14 +225,18 @@ def gemm_choice(gemm: str, devices) -> str:
     return gemm
 
 
-def inductor_gemm():
-    """Inductor's configuration while a graph with gemm="inductor" compiles: the module parameters it
-    reads frozen into it as constants (inference only: a graph does not see later changes to them), and
-    each matrix product chosen, by timing, among inductor's C++ GEMM templates (the weight packed at
-    compile time for AMX or AVX-512 microkernels) and ATen's call."""
+def inductor_gemm(gemm: str):
+    """The context a graph compiles in for a resolved `gemm` (gemm_choice): for "inductor", inductor's
+    configuration that freezes the module parameters the graph reads into it as constants (inference
+    only: a graph does not see later changes to them) and chooses each matrix product, by timing, among
+    inductor's C++ GEMM templates (the weight packed at compile time for AMX or AVX-512 microkernels)
+    and ATen's call; for "aten", nothing."""
+    import contextlib
+
     import torch._inductor.config as inductor_config
 
+    if gemm != "inductor":
+        return contextlib.nullcontext()
     return inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
                                   autotune_num_choices_displayed=0,  # (the timings, printed by default)
                                   max_autotune_report_choices_stats=False)
-

@@ -36,8 +36,6 @@ each kind through graphs of its own (dynamic rows, widths and slots; docs/archit
 
 from __future__ import annotations
 
-import contextlib
-
 import inspect
 from dataclasses import dataclass, field
 
@@ -267,7 +265,7 @@ class StaticTarget(TargetAdapter):
         self._runs = {name: marking(run) for name, run in compiled.items()}
         try:
             # as the passes run (a graph traced with grad mode on is not theirs); the graphs' products (gemm)
-            with torch.no_grad(), (inductor_gemm() if self.gemm == "inductor" else contextlib.nullcontext()):
+            with torch.no_grad(), inductor_gemm(self.gemm):
                 self._warm_up_passes(kind)
         finally:
             self._runs = compiled
