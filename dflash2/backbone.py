@@ -51,9 +51,9 @@ class ContextBatch:
 
     Per layer one buffer [R, kv_heads, capacity, hd]; row r holds the K/V of its positions
     0 .. lengths[r]-1 in slots 0 .. lengths[r]-1 (position = slot, so nothing moves when a row
-    grows). The slots after a row's own are scratch: a drafting pass writes the block's K/V there.
-    Windows (sliding layers, a context window) mask older entries; nothing is dropped. Rows join at
-    the end (`add_rows`) and leave by `select_rows`, in step with the target's batch.
+    grows); the slots after a row's own are unused. Windows (sliding layers, a context window) mask
+    older entries; nothing is dropped. Rows join at the end (`add_rows`) and leave by `select_rows`,
+    in step with the target's batch.
     """
 
     keys: list[Tensor] = field(default_factory=list)
@@ -138,25 +138,18 @@ class KVInjectionAttention(nn.Module):
         return apply_rope(k, *rope, self.interleaved), v
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
         """x [N, T, H] with rope (cos, sin) of its positions; context_k/v [N, kv_heads, C, hd];
         mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None (everything visible).
-        rows: queries from the first `rows` positions only (keys and values from all T) → [N, rows, H].
-        slots [N, T]: context_k/v are a ContextBatch's buffers; the block's K/V are written into row
-        n's slots[n] (scratch) and attention runs over the first S slots, S the mask's last size."""
+        rows: queries from the first `rows` positions only (keys and values from all T) → [N, rows, H]."""
         N, T, _ = x.shape
         Q = T if rows is None else rows
         cos, sin = rope
         q = self.q_norm(self.q_proj(x[:, :Q]).view(N, Q, self.num_heads, self.head_dim)).transpose(1, 2)  # (N, h, Q, hd)
         q = apply_rope(q, cos[..., :Q, :], sin[..., :Q, :], self.interleaved)
         k, v = self._project_kv(x, rope)
-        if slots is None:
-            k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
-            v = torch.cat([context_v, v], dim=2)
-        else:  # in place, no copy of the context: (N, kv, S, hd) views of the buffers
-            n = torch.arange(N, device=x.device)[:, None]
-            context_k[n, :, slots], context_v[n, :, slots] = k.transpose(1, 2), v.transpose(1, 2)
-            k, v = context_k[:, :, : mask.shape[-1]], context_v[:, :, : mask.shape[-1]]
+        k = torch.cat([context_k, k], dim=2)  # (N, kv, C+T, hd)
+        v = torch.cat([context_v, v], dim=2)
         out = attention(q, k, v, None if mask is None else mask[..., :Q, :], self.attention_sink_bias)  # (N, h, Q, hd)
         return self.o_proj(out.transpose(1, 2).reshape(N, Q, self.num_heads * self.head_dim))
 
@@ -175,10 +168,10 @@ class DrafterLayer(nn.Module):
         self.mlp_conv = CONVS.build(config.conv, config)
 
     def forward(self, x: Tensor, rope: Rope, context_k: Tensor, context_v: Tensor,
-                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None) -> Tensor:
+                mask: Tensor | None = None, rows: int | None = None) -> Tensor:
         """x [N, T, H] → [N, T, H], or [N, rows, H]: the first `rows` positions of a single block
         (the convolution is causal inside the block, so they need no later position but as keys)."""
-        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask, rows, slots)
+        attend = lambda h: self.self_attn(h, rope, context_k, context_v, mask, rows)
         x = x[:, :rows] + self.attention_conv(self.input_layernorm(x), attend, rows)
         return x + self.mlp_conv(self.post_attention_layernorm(x), self.mlp)
 
@@ -248,7 +241,8 @@ class BlockDiffusionBackbone(nn.Module):
 
     def extend_batch(self, context: ContextBatch, features: list[Tensor], room: int) -> ContextBatch:
         """Append features[r] [1, n_r, F] to row r of `context` at its next positions (in place), and
-        leave at least `room` scratch slots after the longest row."""
+        leave at least `room` free slots after the longest row (so that the next rounds rarely
+        grow the buffers)."""
         sizes = [f.shape[1] for f in features]
         ends = [n + m for n, m in zip(context.lengths, sizes)]
         new = self._project(context.lengths, features)[0] if sum(sizes) else None  # per layer (k, v) [1, kv, Σn+, hd]
@@ -285,7 +279,7 @@ class BlockDiffusionBackbone(nn.Module):
         return self.context_kv(rows, positions), sizes
 
     def forward(self, x: Tensor, positions: Tensor, context: list[tuple[Tensor, Tensor]],
-                mask: Tensor | None = None, rows: int | None = None, slots: Tensor | None = None,
+                mask: Tensor | None = None, rows: int | None = None,
                 key_positions: Tensor | None = None) -> Tensor:
         """x [N, T, H] block embeddings at positions [T] or [N, T]; context per-layer (k, v)
         [N, kv, C, hd]; mask [T, C+T] or [N, 1, T, C+T] (True = attend) or None → [N, T, H].
@@ -294,9 +288,7 @@ class BlockDiffusionBackbone(nn.Module):
         needed when a layer is causal or sliding, whose masks (`layout_mask`) are and-ed with `mask`.
         rows (a single block, T = block_size): only the first `rows` outputs are wanted → [N, rows, H].
         Every layer but the last still runs all T positions (their outputs are the last layer's keys
-        and values); the last runs its queries, MLP and convolutions on `rows` positions only.
-        slots [N, T]: `context` holds a ContextBatch's buffers, and the block's K/V go into these
-        scratch slots of each row instead of being concatenated (see KVInjectionAttention)."""
+        and values); the last runs its queries, MLP and convolutions on `rows` positions only."""
         rope = self.rope(positions, x.dtype)
         if rows is not None and not 0 < rows <= x.shape[1] == self.config.block_size:
             raise ValueError(f"rows must be in 1..{self.config.block_size} for a single block, got {rows}")
@@ -309,6 +301,6 @@ class BlockDiffusionBackbone(nn.Module):
         last = len(self.layers) - 1
         recompute = self.gradient_checkpointing and self.training and torch.is_grad_enabled()
         for i, (layer, (k, v), layout) in enumerate(zip(self.layers, context, self.layouts)):
-            args = (x, rope, k, v, masks[layout], rows if i == last else None, slots)
+            args = (x, rope, k, v, masks[layout], rows if i == last else None)
             x = checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         return self.norm(x)

@@ -30,7 +30,7 @@ from .checks import hub_failure, looks_like_hub_id
 from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
 from .config import DFlash2Config
 from .heads import CandidateHead, Candidates, RoundContext
-from .layers import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
+from .layers import allow_recompiles, announce_compiling, as_rows, compile_own, gemm_choice, inductor_gemm
 from .rng import RandomSource
 from .selector import build_selector
 from .target.adapter import TargetAdapter
@@ -66,7 +66,7 @@ class DFlash2Drafter(nn.Module):
         self.backbone = BlockDiffusionBackbone(config)
         self.candidates = CandidateHead(config.selector_top_k)
         self.candidate_selector = build_selector(config)
-        self._warmed: set[bool] | None = None  # compiled: the kinds of round (lattice or not) warmed up so far
+        self._warmed: set | None = None  # compiled: the kinds of round warmed up so far (lattice or not; batched)
         n = config.draft_vocab_size  # the token ids the LM head drafts among (None: all of them)
         self.register_buffer("draft_vocab", None if n is None else torch.arange(n))
         # the drafter's own embedding and LM head (a checkpoint that ships them, e.g. one narrower than its
@@ -339,11 +339,12 @@ class DFlash2Drafter(nn.Module):
         self.backbone.extend_batch(context, new_features, self.config.block_size)
         if L == 0:
             return [Draft(torch.zeros(0, dtype=torch.long, device=f.device)) for f in new_features]
-        hidden, cands, ctx = self._candidates_batch(context, anchors, target, L, new_features)
+        s = self.draft_round_batch(context, anchors, new_features, target, L, lattice=False)
         selector = self.candidate_selector
         if temperature == 0:  # deterministic: all rows at once
-            return selector.select_batch(cands, hidden, anchors, **self._reads(ctx))
-        return [selector(Candidates(cands.ids[r], cands.scores[r]), hidden[r], anchors[r], temperature, rng,
+            return selector.select_batch(s.cands, s.hidden, anchors, **self._reads(s.context))
+        ctx = s.context
+        return [selector(Candidates(s.cands.ids[r], s.cands.scores[r]), s.hidden[r], anchors[r], temperature, rng,
                          **self._reads(None if ctx is None else RoundContext(*(t[r] for t in ctx))))
                 for r in range(len(anchors))]
 
@@ -370,9 +371,8 @@ class DFlash2Drafter(nn.Module):
         L = max(depths)
         if L <= 0:
             return [TokenTree.empty(f.device) for f in new_features]
-        hidden, cands, ctx = self._candidates_batch(context, anchors, target, L, new_features)  # [R, L, H], [R, L, K]
-        first, steps = self.candidate_selector.lattice(cands, hidden, anchors, **self._reads(ctx))  # [R, K], [R, L-1, K, K]
-        return [best_first_tree(cands.ids[r, :d], first[r], steps[r, : d - 1], max_nodes) if d > 0
+        s = self.draft_round_batch(context, anchors, new_features, target, L)  # [R, L, K], [R, L-1, K, K]
+        return [best_first_tree(s.cands.ids[r, :d], s.first[r], s.steps[r, : d - 1], max_nodes) if d > 0
                 else TokenTree.empty(f.device) for r, (d, f) in enumerate(zip(depths, new_features))]
 
     # -- one drafting round at batch 1 (propose, propose_tree): one call, one graph when compiled ------
@@ -393,6 +393,7 @@ class DFlash2Drafter(nn.Module):
         for device in devices:  # the rotary table as a decode finds it (a graph
             self.backbone.rotary.inverse_frequencies(device)     # traced before it is filled is traced again after)
         self._round = compile_own(self._round, **kwargs)
+        self._round_batch = compile_own(self._round_batch, **kwargs)
         self._warmed, self._gemm = set(), gemm
 
     def _warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
@@ -409,6 +410,24 @@ class DFlash2Drafter(nn.Module):
                 scratch = self.new_cache()
                 for n in sizes:
                     self.draft_round(scratch, 0, features(n), target, lattice)
+        done()
+
+    def _warm_up_batch(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
+        """`_warm_up` for the batched round, on scratch ContextBatches: at three rows and at one (a
+        batch's last row), over contexts of one position and of several. like: a tensor of the real
+        batch's context (its device and dtype)."""
+        self._warmed.add(("batch", lattice))
+        done = announce_compiling("the drafter's batched round")
+        features = lambda n: torch.zeros(1, n, self.config.feature_size, dtype=like.dtype, device=like.device)  # noqa: E731
+        with inductor_gemm(self._gemm):
+            for rounds in (((1, 1, 1), (3, 2, 1), (1, 2, 1)), ((1,), (2,), (1,))):  # per round, each row's features
+                scratch = self.new_context_batch()
+                scratch.add_rows(len(rounds[0]))
+                for sizes in rounds:
+                    feats = [features(n) for n in sizes]
+                    self.backbone.extend_batch(scratch, feats, self.config.block_size)
+                    self.draft_round_batch(scratch, [0] * len(sizes), feats, target,
+                                           self.config.num_draft_positions, lattice)
         done()
 
     def draft_round(self, cache: ContextCache, anchor: int, new_features: Tensor, target: TargetAdapter,
@@ -475,34 +494,67 @@ class DFlash2Drafter(nn.Module):
         first, steps = self.candidate_selector.lattice(cands, hidden, anchor) if lattice else (None, None)
         return RoundScores(keys, values, hidden, cands, first, steps)
 
-    def _candidates_batch(self, context: ContextBatch, anchors: list[int], target: TargetAdapter, L: int,
-                          new_features: list[Tensor] | None = None) -> tuple[Tensor, Candidates, RoundContext | None]:
-        """The first L draft positions of every row's block: hidden [R, L, H], candidates [R, L, K].
-        Row r's block sits in the scratch slots after its context (slot = position); each row sees
-        its own context (its last `context_window` positions) and its whole block, within each
-        layer's layout (sliding windows and causality are masked by the backbone from positions).
-        With a selector that reads the round's context, its RoundContext (rows' anchors' states from
-        `new_features`, their last positions); else None."""
-        R, B = len(anchors), self.config.block_size
-        device = context.keys[0].device
-        lengths = torch.tensor(context.lengths, device=device)[:, None]  # [R, 1]
-        window = self.config.context_window
-        first = lengths - window if window is not None else torch.zeros_like(lengths)  # oldest visible slot
-        S = int(lengths.max()) + B  # the slots any row attends over
-        slot = torch.arange(S, device=device)
-        mask = (slot >= first) & (slot < lengths + B)  # [R, S]: own context and own block
-        slots = lengths + torch.arange(B, device=device)  # [R, B], also the block's positions
+    # -- one drafting round of a batch (propose_batch, propose_tree_batch): one graph when compiled ---
+    def draft_round_batch(self, context: ContextBatch, anchors: list[int], new_features: list[Tensor] | None,
+                          target: TargetAdapter, L: int, lattice: bool = True) -> "RoundScores":
+        """Score the blocks [anchors[r], MASK, ...] of R rows after their contexts in `context` (already
+        extended): RoundScores of the first L draft positions (hidden [R, L, H], candidates [R, L, K],
+        with `lattice` the selector's lattice: first [R, K], steps [R, L-1, K, K]); keys and values None
+        (the context stays in the ContextBatch). Row r's block sits at positions lengths[r].. and sees its
+        own context (its last `context_window` positions) and its whole block, within each layer's layout.
+        With a selector that reads the round's context, its RoundContext (the rows' anchors' states from
+        `new_features`, their last positions)."""
+        if self._warmed is not None and ("batch", lattice) not in self._warmed:  # compiled, not warmed up yet
+            self._warm_up_batch(target, context.keys[0], lattice)
+        R, B, device = len(anchors), self.config.block_size, context.keys[0].device
+        dtype = self.backbone.fc.weight.dtype
         ids = torch.full((R, B), self.config.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = torch.tensor(anchors, device=device)
-        context_kv = list(zip(context.keys, context.values))
-        x = self.embed_block(ids, target)
-        hidden = self.backbone(x, slots, context_kv, mask[:, None, None, :].expand(R, 1, B, S), rows=L + 1,
-                               slots=slots, key_positions=slot)[:, 1:]  # [R, L, H]
-        if not self.candidate_selector.reads_context:
-            return hidden, self.draft_candidates(hidden, target), None  # ids, U: [R, L, K]
-        cands, log_z = self.draft_candidates(hidden, target, with_log_z=True)
-        last = torch.cat([f[0, -1:] for f in new_features])  # [R, F]: the position before each anchor
-        return hidden, cands, self.round_context(cands, log_z, last, target)
+        s = self._round_batch(context.keys, context.values, self.embed_block(ids, target),
+                              torch.tensor(context.lengths, device=device)[:, None],
+                              torch.arange(max(context.lengths), device=device), self.head_weights(target, dtype),
+                              ids[:, 0], lattice)
+        if s.cands is None:  # a head with its own forward, or a selector that reads the round's context
+            hidden = s.hidden[:, :L]
+            if self.candidate_selector.reads_context:
+                cands, log_z = self.draft_candidates(hidden, target, with_log_z=True)
+                last = torch.cat([f[0, -1:] for f in new_features])  # [R, F]: the position before each anchor
+                ctx = self.round_context(cands, log_z, last, target)
+            else:
+                cands, ctx = self.draft_candidates(hidden, target), None
+            first, steps = self.candidate_selector.lattice(cands, hidden, ids[:, 0], **self._reads(ctx)) \
+                if lattice else (None, None)
+            return RoundScores(None, None, hidden, cands, first, steps, ctx)
+        return RoundScores(None, None, s.hidden[:, :L], Candidates(s.cands.ids[:, :L], s.cands.scores[:, :L]),
+                           s.first, None if s.steps is None else s.steps[:, : L - 1])
+
+    def _round_batch(self, keys: list[Tensor], values: list[Tensor], x: Tensor, lengths: Tensor, key_slots: Tensor,
+                     head: tuple[Tensor, Tensor | None] | None, anchors: Tensor, lattice: bool) -> "RoundScores":
+        """The tensor work of `draft_round_batch` (what `compile` compiles), for every draft position.
+        keys/values: per layer the ContextBatch's buffers [R, kv, capacity, hd], row r's context in slots
+        0 .. lengths[r]-1 (slot = position); x [R, B, H] the embedded blocks; lengths [R, 1]; key_slots
+        [C] the slots 0 .. C-1 of the longest context; head as in `_round`; anchors [R].
+
+        The block's K/V are concatenated after the first C slots rather than written into the buffers:
+        a compiled graph that writes into its inputs copies them back whole after every layer."""
+        R, B, _ = x.shape
+        C = key_slots.shape[0]
+        positions = lengths + torch.arange(B, device=x.device)  # [R, B]
+        visible = key_slots < lengths  # [R, C]: its own context
+        if self.config.context_window is not None:
+            visible = visible & (key_slots >= lengths - self.config.context_window)
+        mask = torch.cat([visible, visible.new_ones(R, B)], 1)[:, None, None, :].expand(R, 1, B, C + B)
+        key_positions = torch.cat([key_slots.expand(R, C), positions], 1)  # [R, C + B]
+        context = [(k[:, :, :C], v[:, :, :C]) for k, v in zip(keys, values)]  # [R, kv, C, hd]
+        L = self.config.num_draft_positions
+        hidden = self.backbone(x, positions, context, mask, rows=L + 1, key_positions=key_positions)[:, 1:]
+        if head is None or self.candidate_selector.reads_context:
+            return RoundScores(None, None, hidden, None, None, None)  # [R, L, H]
+        logits = F.linear(as_rows(hidden), *head).view(R, L, -1)  # (as rows: a 3-d slice multiplies as a batch)
+        ids, scores = self.candidates(self._finish_logits(logits))  # [R, L, K]
+        cands = Candidates(ids if self.draft_vocab is None else self.draft_vocab[ids], scores)
+        first, steps = self.candidate_selector.lattice(cands, hidden, anchors) if lattice else (None, None)
+        return RoundScores(None, None, hidden, cands, first, steps)
 
     def _candidates(self, cache: ContextCache, anchor: int, target: TargetAdapter, L: int) -> tuple[Tensor, Candidates]:
         """The first L draft positions of the block after `anchor`: hidden [L, H], candidates [L, K]."""

@@ -6,6 +6,8 @@ map one-to-one onto the published checkpoint format.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -225,18 +227,20 @@ def gemm_choice(gemm: str, devices) -> str:
     return gemm
 
 
+@contextlib.contextmanager
 def inductor_gemm(gemm: str):
     """The context a graph compiles in for a resolved `gemm` (gemm_choice): for "inductor", inductor's
     configuration that freezes the module parameters the graph reads into it as constants (inference
     only: a graph does not see later changes to them) and chooses each matrix product, by timing, among
     inductor's C++ GEMM templates (the weight packed at compile time for AMX or AVX-512 microkernels)
     and ATen's call; for "aten", nothing."""
-    import contextlib
-
     import torch._inductor.config as inductor_config
 
     if gemm != "inductor":
-        return contextlib.nullcontext()
-    return inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
-                                  autotune_num_choices_displayed=0,  # (the timings, printed by default)
-                                  max_autotune_report_choices_stats=False)
+        yield
+        return
+    with inductor_config.patch(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP,ATEN",
+                               autotune_num_choices_displayed=0,  # (the timings, printed by default)
+                               max_autotune_report_choices_stats=False), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")  # (autotuning reads storages so)
+        yield

@@ -2,7 +2,7 @@
 pair at 8 rows in flight (HumanEval, greedy, 128 new tokens, continuous batching), a fixed-size tree
 per row, every stage timed inside whole decodes.
 
-    python experiments/batch_round_stages.py [--rows 8] [--nodes 7] [--repeats 3]
+    python experiments/batch_round_stages.py [--rows 8] [--nodes 7] [--repeats 3] [--compiled]
 
 Plain decoding (`ar_generate_batch`) and tree decoding (`spec_generate_batch(verify="tree")`) alternate,
 `--repeats` times each, through one StaticTarget step (bfloat16 products by default, as the regimes
@@ -44,9 +44,8 @@ from dflash2.target.static import StaticTarget  # noqa: E402
 STAGES = [
     ("drafting (propose_tree_batch)", "drafter", "propose_tree_batch"),
     ("  context extension (extend_batch)", "backbone", "extend_batch"),
-    ("  block pass, LM head, top-K (_candidates_batch)", "drafter", "_candidates_batch"),
-    ("    LM head and top-K (draft_candidates)", "drafter", "draft_candidates"),
-    ("  selector lattice", "selector", "lattice"),
+    ("  block pass, LM head, top-K, lattice (draft_round_batch)", "drafter", "draft_round_batch"),
+    ("    selector lattice", "selector", "lattice"),
     ("  best-first trees, per row", "drafter_module", "best_first_tree"),
     ("verification (_verify_and_commit)", "batch", "_verify_and_commit"),
     ("  target pass (forward_masked)", "target", "forward_masked"),
@@ -67,6 +66,8 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--linear-dtype", choices=["float32", "bfloat16"], default="bfloat16")
     p.add_argument("--drafter-dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    p.add_argument("--compiled", action="store_true",
+                   help="the drafter's batched round compiled (drafter.compile); its lattice is then inside the graph")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "batch_round_stages.json")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -78,6 +79,8 @@ def main() -> int:
     step = StaticTarget(target, tuple(drafter.target_layer_ids), compile=True, linear_dtype=linear)
     plain_step = StaticTarget(target, (), compile=True, linear_dtype=linear)
     kw = dict(max_new_tokens=128, concurrency=args.rows, stop_token_ids=[tok.eos_token_id])
+    if args.compiled:
+        drafter.compile(dynamic=True)
 
     owners = dict(drafter=drafter, backbone=drafter.backbone, selector=drafter.candidate_selector,
                   drafter_module=drafter_module, batch=batch, target=step)
@@ -99,6 +102,8 @@ def main() -> int:
         return timed
 
     for label, owner, name in STAGES:
+        if args.compiled and owner == "selector":  # inside the compiled graph: not timed apart
+            continue
         setattr(owners[owner], name, timer(getattr(owners[owner], name), label))
 
     def plain():
@@ -142,7 +147,7 @@ def main() -> int:
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 machine=platform.platform(), cpu=cpu_description(), threads=args.threads, rows=args.rows,
                 nodes=args.nodes, source=source, linear_dtype=args.linear_dtype, drafter_dtype=args.drafter_dtype,
-                repeats=args.repeats, load=load)
+                repeats=args.repeats, compiled_drafter=args.compiled, load=load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dict(meta=meta, summary=summary, runs=runs), indent=2) + "\n")
     print(f"plain {plain_tps:.0f} tokens/s ({plain_round:.2f} ms a step); tree{args.nodes} {tree_tps:.0f} tokens/s "

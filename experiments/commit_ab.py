@@ -14,6 +14,7 @@ bfloat16 products, the drafter in bfloat16, as the regimes table's rows):
     tree1    DFlash-2, a 15-node tree, batch 1, the drafter's round compiled
     plainN   plain decoding, N rows in flight (continuous batching over --prompts prompts)
     treeN    DFlash-2, a 7-node tree per row, N rows in flight, the drafter eager
+    ctreeN   the same with the drafter's rounds compiled (drafter.compile)
 
 Prints tokens/s per case and commit, and whether the outputs are identical; writes --out (JSON).
 Time it on a quiet machine (../shared/tools/quiet, or `uptime` well under 1).
@@ -51,13 +52,13 @@ def worker(repo: Path, case: str, prompts: int, single: int) -> dict:
     target, drafter = target.float(), drafter.to(torch.bfloat16)
     texts, _ = load_prompts("humaneval", prompts)
     eos = [tok.eos_token_id]
-    kind, rows = re.fullmatch(r"(plain|tree)(\d+)", case).groups()
+    kind, rows = re.fullmatch(r"(plain|c?tree)(\d+)", case).groups()
     rows = int(rows)
     layers = () if kind == "plain" else tuple(drafter.target_layer_ids)
     step = StaticTarget(target, layers, compile=True, linear_dtype="bfloat16")
     if rows == 1:
         singles = [tok(t, return_tensors="pt").input_ids for t in texts[:single]]
-        if kind == "tree":
+        if kind != "plain":
             drafter.compile(dynamic=True)
 
         def decode():
@@ -68,6 +69,8 @@ def worker(repo: Path, case: str, prompts: int, single: int) -> dict:
     else:
         ids, mask = left_pad([tok(t).input_ids for t in texts])
         kw = dict(max_new_tokens=128, concurrency=rows, stop_token_ids=eos)
+        if kind == "ctree":
+            drafter.compile(dynamic=True)
 
         def decode():
             if kind == "plain":
@@ -101,9 +104,9 @@ def main() -> int:
     if args.before is None or args.after is None:
         p.error("give the two commits to compare: BEFORE AFTER")
     cases = [c for c in args.cases.split(",") if c]
-    bad = [c for c in cases if not re.fullmatch(r"(plain|tree)[1-9]\d*", c)]
+    bad = [c for c in cases if not re.fullmatch(r"(plain|c?tree)[1-9]\d*", c)]
     if bad:
-        p.error(f"unknown cases {bad}: plain<N> or tree<N>, N rows in flight (e.g. plain1, tree8)")
+        p.error(f"unknown cases {bad}: plain<N>, tree<N> or ctree<N>, N rows in flight (e.g. plain1, ctree8)")
     sys.path.insert(0, str(ROOT))
     from dflash2.bench.machine import LoadMonitor
 

@@ -132,8 +132,8 @@ def test_drafter_dtypes_add_suffixed_rows(tmp_path):
 
 
 def test_draft_vocab_and_compiled_rows(tmp_path, capsys):
-    """draft_vocabs add _V<n> rows; compile_drafters adds batch-1 _compiled rows (when a C++ compiler
-    is there for torch.compile's CPU backend)."""
+    """draft_vocabs add _V<n> rows; compile_drafters adds _compiled rows at every concurrency (when a
+    C++ compiler is there for torch.compile's CPU backend), each output (greedy) plain decoding's."""
     compiler = HAS_CXX_COMPILER
     out = tmp_path / "bench"
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "datasets=[humaneval]", "tree_nodes=[7]",
@@ -144,10 +144,11 @@ def test_draft_vocab_and_compiled_rows(tmp_path, capsys):
     compiled = {"dflash2_walk_compiled", "dflash2_tree7_compiled", "dflash2_walk_V64_compiled",
                 "dflash2_tree7_V64_compiled"} if compiler else set()
     assert {r["method"] for r in rows if r["concurrency"] == 1} == plain | compiled
-    assert {r["method"] for r in rows if r["concurrency"] == 2} == plain  # compiled drafters: batch 1 only
+    assert {r["method"] for r in rows if r["concurrency"] == 2} == plain | compiled
     assert {r["method"] for r in rows if r.get("draft_vocab") == 64} == {
         m for m in plain | compiled if "_V64" in m}
     assert {r["method"] for r in rows if r.get("compiled")} == compiled
+    assert all(r["same_outputs_as_plain"] == 1.0 for r in rows if r.get("compiled"))
     assert not any("draft_vocab" in r for r in rows if "_V" not in r["method"])
     assert main(["--quick", f"out={out}", "draft_vocabs=[0]"]) == 2
     assert main(["--quick", f"out={out}", "draft_vocabs=[64]", "token_counts=/nonexistent.safetensors"]) == 2

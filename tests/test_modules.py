@@ -368,6 +368,61 @@ def test_a_compiled_drafter_compiles_only_while_warming_up():
     assert graphs() == before
 
 
+@pytest.mark.skipif(not HAS_CXX_COMPILER, reason="torch.compile's CPU backend needs a C++ compiler")
+def test_a_compiled_batched_round_drafts_what_the_eager_one_does_and_compiles_only_while_warming_up():
+    """drafter.compile() also runs the batched round (propose_batch, propose_tree_batch) as one graph:
+    over rows that join, grow by different amounts, leave down to one row, and a context window, its
+    scores and paths must be the eager drafter's; after its warm-up, batched decodes (paths and trees,
+    greedy and sampled, rows finishing one by one) compile nothing more."""
+    from dflash2 import spec_generate_batch
+
+    target = copy.deepcopy(tiny_target("qwen3", vocab=5)).float()  # a vocabulary of 5: chance acceptances
+    torch.manual_seed(8)
+    eager = DFlash2Drafter.from_target(target, block_size=6, num_layers=2, mask_token_id=4, selector_top_k=3,
+                                       context_window=9).float().eval()
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    fast = copy.deepcopy(eager)
+    fast.compile(dynamic=True)
+    adapter = TargetAdapter(target, eager.target_layer_ids)
+    g = torch.Generator().manual_seed(1)
+    F = len(eager.target_layer_ids) * eager.config.hidden_size
+    contexts = [eager.new_context_batch(), fast.new_context_batch()]
+    rng = TorchRandom(torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rnd, (joining, leaving) in enumerate(((3, None), (0, None), (1, 1), (0, 0), (0, None), (0, 1))):
+            for c in contexts:
+                if joining:
+                    c.add_rows(joining)
+                if leaving is not None:
+                    c.select_rows([i for i in range(len(c.lengths)) if i != leaving])
+            news = [torch.randn(1, int(torch.randint(1, 11 if n == 0 else 5, (1,), generator=g)), F, generator=g)
+                    for n in contexts[0].lengths]
+            anchors = [int(a) for a in torch.randint(0, 4, (len(news),), generator=g)]
+            if rnd % 2:  # the paths of propose_batch (the walk: no lattice in the graph)
+                paths = [d.propose_batch(c, anchors, news, adapter, 0.0, rng) for d, c in zip((eager, fast), contexts)]
+                assert [p.tokens.tolist() for p in paths[0]] == [p.tokens.tolist() for p in paths[1]]
+            else:  # the scores propose_tree_batch grows its trees from
+                for d, c in zip((eager, fast), contexts):
+                    d.backbone.extend_batch(c, news, d.config.block_size)
+                s_eager, s_fast = (d.draft_round_batch(c, anchors, news, adapter, 4) for d, c in zip((eager, fast), contexts))
+                assert s_fast.hidden.shape == (len(anchors), 4, eager.config.hidden_size)
+                assert torch.equal(s_fast.cands.ids, s_eager.cands.ids)
+                torch.testing.assert_close(s_fast.hidden, s_eager.hidden, atol=1e-5, rtol=1e-5)
+                torch.testing.assert_close(s_fast.first, s_eager.first, atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(s_fast.steps, s_eager.steps, atol=1e-4, rtol=1e-4)
+        graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
+        before = graphs()
+        prompts = torch.randint(0, 4, (5, 9), generator=g)
+        mask = torch.ones_like(prompts)
+        mask[1, :8] = mask[3, :4] = 0  # a one-token prompt among them
+        for temperature in (0.0, 1.0):
+            for verify in ("path", "tree"):
+                spec_generate_batch(fast, adapter, prompts, mask, max_new_tokens=12, temperature=temperature,
+                                    verify=verify, tree_nodes=5, concurrency=3, generator=g)
+    assert graphs() == before
+
+
 @pytest.mark.parametrize("window", [None, 5])
 def test_context_batch_follows_each_row_across_rounds(window):
     """One ContextBatch for rows that join late, grow by different amounts each round and leave: the
@@ -402,7 +457,8 @@ def test_context_batch_follows_each_row_across_rounds(window):
         assert context.lengths == [c.length for c in rows]
         capacities.add(context.keys[0].shape[2])
         anchors = [int(a) for a in torch.randint(0, MASK, (len(rows),), generator=g)]
-        hidden, cands, _ = d._candidates_batch(context, anchors, adapter, 3)
+        s = d.draft_round_batch(context, anchors, None, adapter, 3, lattice=False)
+        hidden, cands = s.hidden, s.cands
         for i, (cache, anchor) in enumerate(zip(rows, anchors)):
             alone_hidden, alone = d._candidates(cache, anchor, adapter, 3)
             torch.testing.assert_close(hidden[i], alone_hidden, rtol=0, atol=1e-10)

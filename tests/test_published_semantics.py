@@ -241,7 +241,7 @@ def test_vllms_attention_fields_hold_in_batches_in_training_and_stay_lossless(tm
         lengths = [a + n for a, n in zip(lengths, step)]
         with torch.no_grad():
             drafter.propose_batch(context, [5, 17], news, adapter, 0.0, None)
-            hidden, *_ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
+            hidden = drafter.draft_round_batch(context, [5, 17], None, adapter, B - 1).hidden
         for r, anchor in enumerate([5, 17]):
             want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)
             torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)
@@ -325,7 +325,7 @@ def test_batched_drafting_follows_the_published_semantics(tmp_path, layout):
         anchors = [5, 17, 30]
         with torch.no_grad():
             drafts = drafter.propose_batch(context, anchors, news, adapter, 0.0, None)
-            hidden, *_ = drafter._candidates_batch(context, anchors, adapter, B - 1)
+            hidden = drafter.draft_round_batch(context, anchors, None, adapter, B - 1).hidden
         for r, anchor in enumerate(anchors):
             embedding = target.get_input_embeddings().weight.detach()
             want = ref.block_hidden(cfg, tensors, embedding, everything[r][:lengths[r]], anchor)
@@ -532,7 +532,7 @@ def test_a_narrower_drafter_holds_in_batches_in_training_and_stays_lossless(tmp_
     news = [everything[r][None, :n] for r, n in enumerate([9, 12])]
     with torch.no_grad():
         drafter.propose_batch(context, [5, 17], news, adapter, 0.0, None)
-        hidden, *_ = drafter._candidates_batch(context, [5, 17], adapter, B - 1)
+        hidden = drafter.draft_round_batch(context, [5, 17], None, adapter, B - 1).hidden
     for r, (anchor, n) in enumerate(zip([5, 17], [9, 12])):
         want = ref.block_hidden(cfg, tensors, embedding, everything[r][:n], anchor)
         torch.testing.assert_close(hidden[r], want[1:], rtol=0, atol=1e-10)

@@ -35,7 +35,7 @@ to `out`. Methods:
                      `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
     ..._compiled     with `compile_drafters: true`: the walk, tree and adaptive rows (and the _V<n> rows) again
                      with each drafting round through torch.compile as one graph (DFlash2Drafter.compile,
-                     dynamic shapes), batch 1 only; `target_steps` chooses the target's step
+                     dynamic shapes), at every concurrency; `target_steps` chooses the target's step
 
 With `target_steps: [hf, static]` every method of our loop also runs with the target's step through
 `StaticTarget` (the model's layers written out over a preallocated cache: rows end in `_static`;

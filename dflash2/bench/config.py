@@ -107,7 +107,7 @@ class BenchConfig:
     token_counts: str = "embedded"  # ranks the draft vocabularies: "embedded" or a draft_vocab.save_counts file
     # Also run the walk and tree rows (and their _V<n> rows) with the drafter's round compiled
     # (DFlash2Drafter.compile: each round's drafting as one graph, torch.compile with dynamic shapes;
-    # names end in _compiled): batch 1 only; the target's step is chosen by target_steps.
+    # names end in _compiled), at every concurrency; the target's step is chosen by target_steps.
     compile_drafters: bool = False
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target

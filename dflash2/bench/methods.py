@@ -33,7 +33,7 @@ class Method:
 
     family: str  # one of ALL_METHODS or VLLM_METHODS
     dtype: str = "float32"  # the drafter's (our drafter rows) or the engine's (vllm rows)
-    compiled: bool = False  # the drafter's round through torch.compile (DFlash2Drafter.compile; batch 1)
+    compiled: bool = False  # the drafter's round through torch.compile (DFlash2Drafter.compile)
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
     tree_nodes: int | None = None  # dflash2_tree, dflash2_goodput_tree: verify a token tree of (at most) this many nodes
@@ -139,18 +139,19 @@ class _Policies:
         return self.policies[full]
 
 
-def _static_targets(target) -> Callable[[str, tuple[int, ...]], Any]:
-    """(target step, target layers read) → the table's compiled StaticTarget for them, made once:
-    "static_bf16mm" with bfloat16 products (linear_dtype)."""
+def _static_targets(target, made: dict | None = None) -> Callable[[str, tuple[int, ...]], Any]:
+    """(target step, target layers read) → the compiled StaticTarget for them, made once and kept in
+    `made` (the bench passes one dict for the whole run: every table's rows share the compiled graphs,
+    whose warm-ups take minutes): "static_bf16mm" with bfloat16 products (linear_dtype)."""
     from ..target.static import StaticTarget
 
-    made: dict[tuple, Any] = {}
+    made = {} if made is None else made
 
     def get(step: str, layers: tuple[int, ...]):
-        if (step, layers) not in made:
-            made[step, layers] = StaticTarget(target, layers, compile=True,
+        if ("target", step, layers) not in made:
+            made["target", step, layers] = StaticTarget(target, layers, compile=True,
                                               linear_dtype="bfloat16" if step == "static_bf16mm" else None)
-        return made[step, layers]
+        return made["target", step, layers]
     return get
 
 
@@ -167,8 +168,11 @@ def _chosen(policy, before: Counter | None) -> dict[int, int] | None:
 
 
 def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], ar_draft, block: int,
-                 stops: list[int], calibrators: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
-    static = _static_targets(target)
+                 stops: list[int], calibrators: dict | None = None,
+                 made: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
+    """Our loop's methods and HF's baselines at batch 1; `made`: the compiled StaticTargets and drafters
+    of the run so far (reused; see `_static_targets`)."""
+    static = _static_targets(target, made)
     policy_for = _Policies(1, padded=False, calibrators=calibrators)
 
     def ours(drafter, step="hf", **verify):
@@ -215,7 +219,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
     methods |= {Method("hf_generate"): hf(), Method("hf_prompt_lookup"): hf(prompt_lookup_num_tokens=block - 1)}
     if ar_draft is not None:
         methods[Method("hf_assisted")] = hf(assistant_model=ar_draft)
-    for method, drafter, verify in _drafter_variants(cfg, drafters, block, steps=cfg.target_steps):
+    for method, drafter, verify in _drafter_variants(cfg, drafters, block, steps=cfg.target_steps, made=made):
         for step in cfg.target_steps:  # a compiled drafter: one per step (its own graphs for that step's target)
             d = drafter[step] if isinstance(drafter, dict) else drafter
             methods[dataclasses.replace(method, target_step=step)] = ours(d, step, **verify)
@@ -223,13 +227,15 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
 
 
 def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], block: int, compiled: bool = True,
-                      steps: list[str] | tuple[str, ...] = ("hf",)):
+                      steps: list[str] | tuple[str, ...] = ("hf",), made: dict | None = None):
     """(Method, drafter at block size `block`, spec_generate's verify arguments) of every drafter
     method, in each of cfg.drafter_dtypes; with cfg.compile_drafters (and `compiled`) also the walk,
     tree and adaptive rows with a compiled drafting round, whose drafter is a dict: target step → a
     copy compiled for it. A compiled round keeps a graph per target it drafts for, and every call
     checks the guards of the graphs before its own, which one drafter shared by two target steps paid
-    on every round (docs/architecture.md, "Performance choices")."""
+    on every round (docs/architecture.md, "Performance choices"). The compiled copies are kept in `made`
+    (across tables, as `_static_targets`)."""
+    made = {} if made is None else made
     for dtype in cfg.drafter_dtypes:
         ds = {k: d.with_config(block_size=block).to(DTYPES[dtype]) for k, d in drafters.items()}
         if "dflash1" in ds:
@@ -254,9 +260,12 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
                 for m in cfg.tree_nodes:
                     yield Method("dflash2_tree", dtype, draft_vocab=n, tree_nodes=m), small, dict(verify="tree", tree_nodes=m)
             for n, d in ({None: walk, **smalls}.items() if compiled and cfg.compile_drafters else ()):
-                fast = {step: copy.deepcopy(d) for step in steps}
-                for one in fast.values():
-                    one.compile(dynamic=True)  # each round one graph, compiled on its first calls (the warm-up)
+                key = ("drafter", dtype, block, n, tuple(steps))
+                if key not in made:
+                    made[key] = {step: copy.deepcopy(d) for step in steps}
+                    for one in made[key].values():
+                        one.compile(dynamic=True)  # each round one graph, compiled on its first calls (the warm-up)
+                fast = made[key]
                 yield Method("dflash2_walk", dtype, compiled=True, draft_vocab=n), fast, {}
                 for m in cfg.tree_nodes:
                     yield (Method("dflash2_tree", dtype, compiled=True, draft_vocab=n, tree_nodes=m), fast,
@@ -276,10 +285,11 @@ def _token_counts(cfg: BenchConfig) -> torch.Tensor:
 
 def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], block: int,
                        stops: list[int], concurrency: int,
-                       calibrators: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
+                       calibrators: dict | None = None,
+                       made: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    static = _static_targets(target)
+    static = _static_targets(target, made)
 
     def step_for(step: str, drafter):
         return target if step == "hf" else static(step, () if drafter is None else tuple(drafter.target_layer_ids))
@@ -312,10 +322,11 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
     methods: dict[Method, Callable] = {}
     for step in cfg.target_steps:
         methods[Method("ar", target_step=step)] = ours(None, step)
-    for method, drafter, verify in _drafter_variants(cfg, drafters, block, compiled=False):
+    for method, drafter, verify in _drafter_variants(cfg, drafters, block, steps=cfg.target_steps, made=made):
         if method.family != "dflash2_argmax":  # no selector ablation in batches
-            for step in cfg.target_steps:
-                methods[dataclasses.replace(method, target_step=step)] = ours(drafter, step, **verify)
+            for step in cfg.target_steps:  # a compiled drafter: one per step (as at batch 1)
+                d = drafter[step] if isinstance(drafter, dict) else drafter
+                methods[dataclasses.replace(method, target_step=step)] = ours(d, step, **verify)
     return {m: fn for m, fn in methods.items() if m.family in cfg.methods}
 
 

@@ -140,16 +140,17 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     template = ", chat template" + ("" if cfg.enable_thinking is None else f", enable_thinking={cfg.enable_thinking}")
     sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
     n_tables = num_tables(cfg)
+    made: dict = {}  # compiled StaticTargets and drafters, shared by every table (their warm-ups take minutes)
     for dataset, prompts in sets.items():
         calibrators: dict = {}  # the adaptive rows' acceptance calibration, per drafter and setting, across tables
         for block in cfg.block_sizes:
             for conc in cfg.concurrency:
                 if conc == 1:
-                    methods = make_methods(cfg, target, drafters, ar_draft, block, stops, calibrators)
+                    methods = make_methods(cfg, target, drafters, ar_draft, block, stops, calibrators, made)
                     inputs = prompts.conversations
                     call = lambda fn, conv, setting, seed: converse(fn, prompter, prompts, conv, setting, seed)  # noqa: E731
                 else:
-                    methods = make_batch_methods(cfg, target, drafters, block, stops, conc, calibrators)
+                    methods = make_batch_methods(cfg, target, drafters, block, stops, conc, calibrators, made)
                     inputs = [None]  # the whole set, conc rows in flight
                     call = lambda fn, _, setting, seed: converse_batch(fn, prompter, prompts, stops[0], setting, seed)  # noqa: E731
                 for setting_name in cfg.settings:
