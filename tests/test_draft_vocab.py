@@ -141,13 +141,19 @@ def test_greedy_output_is_the_targets_with_a_draft_vocabulary(verify):
     reference = torch.tensor(want)
     ids = torch.unique(torch.cat([reference[: len(reference) // 2], torch.arange(0, VOCAB, 2)]))
     drafter = drafter_for(target, conv="two_tap", selector="walk").with_draft_vocab(ids)
-    seen = []  # every candidate any selector or tree sees, from every path below
-    real = drafter.draft_candidates
-    drafter.draft_candidates = lambda hidden, adapter: seen.append(real(hidden, adapter)) or seen[-1]
+    seen = []  # every candidate any selector's lattice (walk, tree) reads, from every path below
+    real = drafter.candidate_selector.lattice
+    drafter.candidate_selector.lattice = lambda cands, *a, **k: seen.append(cands) or real(cands, *a, **k)
+    drafted = []  # every token drafted: paths and trees, at batch 1 and in batches
+    for name in ("propose", "propose_tree", "propose_batch", "propose_tree_batch"):
+        method = getattr(drafter, name)
+        setattr(drafter, name, lambda *a, method=method, **k: (lambda out: drafted.append(out) or out)(method(*a, **k)))
     out = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens=24, verify=verify, tree_nodes=6)
     assert out.new_tokens.tolist() == want
     batch = spec_generate_batch(drafter, target, torch.tensor([prompt, prompt]), torch.ones(2, 4, dtype=torch.long),
                                 max_new_tokens=24, verify=verify, tree_nodes=6)
     assert [r.new_tokens.tolist() for r in batch] == [want, want]
     assert seen and all(torch.isin(c.ids, ids).all() for c in seen)
+    tokens = [d.tokens for out in drafted for d in (out if isinstance(out, list) else [out])]
+    assert len(tokens) > 2 and torch.isin(torch.cat(tokens), ids).all()
     assert not set(want) <= set(ids.tolist())  # the target does say tokens the drafter cannot
