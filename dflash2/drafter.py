@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import torch
 from safetensors import safe_open
@@ -44,10 +44,13 @@ CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
 
 class RoundScores(NamedTuple):
-    """One drafting round at batch 1 (`DFlash2Drafter.draft_round`): the grown context K/V (per layer
+    """One drafting round. At batch 1 (`DFlash2Drafter.draft_round`): the grown context K/V (per layer
     [1, kv, C, hd]), the L draft positions' hidden states [L, H], their top-K candidates (ids, U
     [L, K]) and the selector's lattice scores (first [K], steps [L-1, K, K]; None when not asked); for a
-    selector that reads the round's context, that context (a RoundContext)."""
+    selector that reads the round's context, that context (a RoundContext). For R rows
+    (`draft_round_batch`): keys and values None (the context stays in the ContextBatch), and every other
+    field with a leading row dimension (hidden [R, L, H], candidates [R, L, K], first [R, K], steps
+    [R, L-1, K, K])."""
 
     keys: list[Tensor]
     values: list[Tensor]
@@ -458,15 +461,9 @@ class DFlash2Drafter(nn.Module):
         # projection): a layout that changes from round to round would be a graph per layout
         cache.keys, cache.values = [k.contiguous() for k in s.keys], [v.contiguous() for v in s.values]
         cache.length = length
-        reads = self.candidate_selector.reads_context
-        if s.cands is None:  # a head with its own forward, or a selector that reads the round's context:
-            if reads:  # candidates and lattice outside the graph
-                cands, log_z = self.draft_candidates(s.hidden, target, with_log_z=True)
-                ctx = self.round_context(cands, log_z, new_features[0, -1], target)
-            else:
-                cands, ctx = self.draft_candidates(s.hidden, target), None
-            first, steps = self.candidate_selector.lattice(cands, s.hidden, anchor, **self._reads(ctx)) if lattice \
-                else (None, None)
+        if s.cands is None:  # a head with its own forward, or a selector that reads the round's context
+            cands, first, steps, ctx = self._outside_graph(s.hidden, anchor, lambda: new_features[0, -1], target,
+                                                           lattice)
             return s._replace(cands=cands, first=first, steps=steps, context=ctx)
         return s
 
@@ -516,17 +513,27 @@ class DFlash2Drafter(nn.Module):
                               ids[:, 0], lattice)
         if s.cands is None:  # a head with its own forward, or a selector that reads the round's context
             hidden = s.hidden[:, :L]
-            if self.candidate_selector.reads_context:
-                cands, log_z = self.draft_candidates(hidden, target, with_log_z=True)
-                last = torch.cat([f[0, -1:] for f in new_features])  # [R, F]: the position before each anchor
-                ctx = self.round_context(cands, log_z, last, target)
-            else:
-                cands, ctx = self.draft_candidates(hidden, target), None
-            first, steps = self.candidate_selector.lattice(cands, hidden, ids[:, 0], **self._reads(ctx)) \
-                if lattice else (None, None)
+            cands, first, steps, ctx = self._outside_graph(
+                hidden, ids[:, 0], lambda: torch.cat([f[0, -1:] for f in new_features]), target, lattice)  # last: [R, F]
             return RoundScores(None, None, hidden, cands, first, steps, ctx)
         return RoundScores(None, None, s.hidden[:, :L], Candidates(s.cands.ids[:, :L], s.cands.scores[:, :L]),
                            s.first, None if s.steps is None else s.steps[:, : L - 1])
+
+    def _outside_graph(self, hidden: Tensor, anchors, last: Callable[[], Tensor], target: TargetAdapter,
+                       lattice: bool) -> tuple[Candidates, Tensor | None, Tensor | None, RoundContext | None]:
+        """A round's candidates and lattice outside its graph, where the graph stops at the hidden states (a
+        candidate head with its own forward, or a selector that reads the round's context): hidden [L, H]
+        (batch 1) or [R, L, H]; anchors as the selector takes them (an int, or [R]); last() the features of
+        the position before each anchor ([F] or [R, F]), read only by a selector that reads the round's
+        context → (candidates, first, steps, that RoundContext or None)."""
+        if self.candidate_selector.reads_context:
+            cands, log_z = self.draft_candidates(hidden, target, with_log_z=True)
+            ctx = self.round_context(cands, log_z, last(), target)
+        else:
+            cands, ctx = self.draft_candidates(hidden, target), None
+        first, steps = self.candidate_selector.lattice(cands, hidden, anchors, **self._reads(ctx)) if lattice \
+            else (None, None)
+        return cands, first, steps, ctx
 
     def _round_batch(self, keys: list[Tensor], values: list[Tensor], x: Tensor, lengths: Tensor, key_slots: Tensor,
                      head: tuple[Tensor, Tensor | None] | None, anchors: Tensor, lattice: bool) -> "RoundScores":
