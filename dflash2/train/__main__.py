@@ -1,6 +1,15 @@
+import os
 import sys
 
 from .run import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "LOCAL_RANK" in os.environ:
+        # a worker of a distributed run, its process group destroyed and its files written: it leaves without
+        # the interpreter's teardown, where gloo's threads can abort a run that succeeded ("terminate called
+        # without an active exception", pytorch/pytorch#179291)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
