@@ -250,7 +250,7 @@ def _plain_step(rows: _Rows, tgt: TargetAdapter, params: SamplingParams, rng: Ra
         rows.lengths[r].append(1)
         rows.anchors[r] = token
         if step.features is not None:
-            rows.features[r].add(step.features[i: i + 1])
+            rows.features[r].add(step.features, i)  # row i, cut out when a draft reads it
         if token in stops:
             rows.finish[r] = "stop"
     tgt.keep_block(rows.cache, S, torch.zeros(R, 1, dtype=torch.long))

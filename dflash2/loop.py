@@ -169,8 +169,8 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
             if on_commit:
                 on_commit(outcome.committed, outcome.drafted)
             anchor = outcome.committed[-1]
-            if step.features is not None:  # the anchor's and the accepted tokens' features
-                pending.add(step.features[:, outcome.kept])
+            if step.features is not None:  # the anchor's and the accepted tokens' features (a plain step's: all)
+                pending.add(step.features if skip else step.features[:, outcome.kept])
             finish = "stop" if outcome.stopped else "length"
     sequences = torch.tensor([tokens], dtype=torch.long, device=prompt.device)
     return GenerationResult(sequences, prompt.shape[1], lengths, finish, total_s=time.perf_counter() - start,

@@ -32,21 +32,24 @@ class Outcome:
 class Backlog:
     """One row's target features the drafter has not read yet: [1, n_i, F] chunks added each round
     and joined once, when the drafter reads them (`take`), so that a stretch of rounds that do not
-    draft does not copy its growing backlog every round."""
+    draft does not copy its growing backlog every round. A chunk may be row `row` of a batch's
+    features [R, n_i, F], cut out at `take` too: a plain step of R rows then adds R references, not R
+    slices (a round that does not draft pays for nothing the drafter has not read)."""
 
     __slots__ = ("chunks",)
 
     def __init__(self, features: Tensor | None = None) -> None:
-        self.chunks: list[Tensor] = []
+        self.chunks: list[tuple[Tensor, int | None]] = []
         self.add(features)
 
-    def add(self, features: Tensor | None) -> None:
+    def add(self, features: Tensor | None, row: int | None = None) -> None:
+        """Add features [1, n, F], or with `row` row `row` of features [R, n, F]."""
         if features is not None:
-            self.chunks.append(features)
+            self.chunks.append((features, row))
 
     def take(self) -> Tensor | None:
         """Every chunk in order as one [1, n, F] (None when there is none); the backlog is empty after."""
-        chunks, self.chunks = self.chunks, []
+        chunks, self.chunks = [f if r is None else f[r: r + 1] for f, r in self.chunks], []
         if len(chunks) <= 1:
             return chunks[0] if chunks else None
         return torch.cat(chunks, dim=1)

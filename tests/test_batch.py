@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate_batch
+from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate, spec_generate_batch
 from dflash2.batch import PREFILL_PADDING, left_pad, prefill_groups
 from dflash2.sampling import process_logits
 from dflash2.target.static import StaticTarget
@@ -106,26 +106,38 @@ def test_rows_accept_different_lengths_and_finished_rows_leave():
 
 
 @pytest.mark.parametrize("step", ["adapter", "static"])
-def test_rows_read_their_own_features_after_rounds_that_do_not_draft(step):
+@pytest.mark.parametrize("loop", ["batch", "one row"])
+def test_rows_read_their_own_features_after_rounds_that_do_not_draft(step, loop):
     """Rounds a policy does not draft are plain steps for every row; each row keeps its features for
     the next round that drafts. Whatever the skipped stretches, a row's drafter reads exactly its own
-    sequence's target features, in order, each once (against a forward over the row alone); a row
-    given another row's features, or one feature twice, fails here (greedy outputs cannot show it:
-    they are lossless whatever the drafter reads)."""
+    sequence's target features, in order, each once (against a forward over the row alone), the
+    accepted drafts' among them; a row given another row's features, one feature twice or an accepted
+    token's left out fails here (greedy outputs cannot show it: they are lossless whatever the drafter
+    reads). "one row": spec_generate, each prompt alone."""
     target = tiny_target("qwen3")
     prompts = [[5, 9, 2, 7], [1, 4], [3, 3, 3, 3, 3, 3, 8]]
     refs = [hf_greedy(target, p, 24) for p in prompts]
+    corrupt = [3, 4, 0]
     read: dict[int, list[torch.Tensor]] = {}
 
     class Recording(RowOracle):
+        def __init__(self, *args, rows: list[int]) -> None:
+            super().__init__(*args)
+            self.row_ids = rows  # the prompt each new cache serves
+
         def propose(self, cache, anchor, new_features, target, temperature, rng) -> Draft:
-            read.setdefault(cache["row"], []).append(new_features)
+            read.setdefault(self.row_ids[cache["row"]], []).append(new_features)
             return super().propose(cache, anchor, new_features, target, temperature, rng)
 
     adapter = TargetAdapter(target, (0,))
     tgt = adapter if step == "adapter" else StaticTarget(target, (0,))
-    results = spec_generate_batch(Recording(5, refs, [3, 4, 0]), tgt, *left_pad(prompts), max_new_tokens=24,
-                                  policy=DraftEvery(3), concurrency=2)
+    if loop == "batch":
+        results = spec_generate_batch(Recording(5, refs, corrupt, rows=[0, 1, 2]), tgt, *left_pad(prompts),
+                                      max_new_tokens=24, policy=DraftEvery(3), concurrency=2)
+    else:
+        results = [spec_generate(Recording(5, [refs[r]], [corrupt[r]], rows=[r]), tgt, torch.tensor([p]),
+                                 max_new_tokens=24, policy=DraftEvery(3)) for r, p in enumerate(prompts)]
+    assert any(n > 1 for r in results for n in r.acceptance_lengths)  # drafts accepted: their features count
     for row, r in enumerate(results):
         got = torch.cat(read[row], dim=1)  # [1, n, F]: every feature the row's drafter read
         assert len(read[row]) > 2 and got.shape[1] > len(prompts[row]) + 4  # several stretches, skipped rounds among them
