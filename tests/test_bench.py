@@ -264,3 +264,29 @@ def test_engine_rows_take_turns_with_ours_and_a_refusal_is_not_retried(tmp_path,
     assert rows["vllm_ar"]["runs"] == rows["ar"]["runs"] == 3 * 2  # 3 repetitions × 2 prompts
     assert rows["vllm_ar"]["tokens_per_s"] > 0 and rows["vllm_ar"]["error"] is None
     assert "stand-in refuses drafters" in rows["vllm_dflash1"]["error"]
+
+
+def test_rows_take_turns_in_the_table_order_then_the_reverse(tmp_path, monkeypatch):
+    """Interleaved, ABBA: every prompt (at more rows, every pass over the set) runs each row back to
+    back, in the table's order on even repetitions and the reverse on odd ones, so that neither a
+    row's place after another nor the drift over a repetition favours one row."""
+    import dflash2.bench.run as bench_run
+
+    calls: list[tuple[int, str]] = []  # (concurrency, row) in the order run
+
+    def recording(make, conc_at):
+        def made(*args, **kwargs):
+            methods = make(*args, **kwargs)
+            conc = conc_at(args, kwargs)
+            return {m: (lambda fn, name: lambda *a, **k: calls.append((conc, name)) or fn(*a, **k))(fn, m.name)
+                    for m, fn in methods.items()}
+        return made
+
+    monkeypatch.setattr(bench_run, "make_methods", recording(bench_run.make_methods, lambda a, k: 1))
+    monkeypatch.setattr(bench_run, "make_batch_methods", recording(bench_run.make_batch_methods, lambda a, k: a[5]))
+    out = tmp_path / "bench"
+    assert main(["--quick", f"out={out}", "datasets=[humaneval]", "num_prompts=2", "repetitions=3",
+                 "methods=[ar,dflash2_walk]", "concurrency=[1,2]", "settings=[greedy]"]) == 0
+    ab, ba = ["ar", "dflash2_walk"], ["dflash2_walk", "ar"]
+    assert [n for c, n in calls if c == 1] == ab + ab * 2 + ba * 2 + ab * 2  # warm-up, then 3 repetitions × 2 prompts
+    assert [n for c, n in calls if c == 2] == ab + ab + ba + ab  # warm-up, then 3 passes over the set

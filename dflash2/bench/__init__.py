@@ -1,7 +1,8 @@
 """`python -m dflash2.bench [--config configs/bench/<file>.yaml] [key=value ...] [--quick]`
 
-Runs every method on every prompt, interleaved in one process over several repetitions (so slow
-drifts of the machine hit all methods alike), and writes `results.json`, `results.md` and PNG plots
+Runs every method on every prompt, interleaved in one process over several repetitions, in the
+table's order on even repetitions and the reverse on odd ones (ABBA: so that slow drifts of the
+machine, and a row's place after another, hit all methods alike), and writes `results.json`, `results.md` and PNG plots
 to `out`. Methods:
 
     ar               dflash2.ar_generate (our loop, block size 1)

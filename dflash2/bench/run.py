@@ -165,8 +165,12 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                         call(fn, inputs[0], setting, cfg.seed)
                     engine: dict[Method, Any] = {}  # the engine's rows: one repetition after each of ours
                     for rep in range(cfg.repetitions):
+                        # interleaved: every method back to back, in the table's order on even repetitions and the
+                        # reverse on odd ones (ABBA): a row's place after another, and the machine's drift over a
+                        # repetition, favour no row
+                        order = list(methods.items()) if rep % 2 == 0 else list(methods.items())[::-1]
                         for p, conv in enumerate(inputs):
-                            for method, fn in methods.items():  # interleaved: every method back to back
+                            for method, fn in order:
                                 progress.step(f"repetition {rep + 1}/{cfg.repetitions}, "
                                               + (f"prompt {p + 1}/{len(inputs)}, " if conc == 1 else "")
                                               + method.name)
