@@ -808,24 +808,37 @@ def _batch_round_section() -> list[str]:
 
 
 def _skip_path_section() -> list[str]:
-    data = _load("skip_path_ab.json")
-    if data is None:
+    """experiments/skip_path_ab.py's runs: batch 1 with sampling (skip_path_ab.json), then every batched
+    one (skip_path_ab_<setting>_c<N>.json)."""
+    names = ["skip_path_ab.json"] + sorted(p.name for p in RESULTS.glob("skip_path_ab_*_c*.json"))
+    runs = [(name, data) for name in names if (data := _load(name)) is not None]
+    if not runs:
         return []
-    meta, load = data["meta"], data["meta"]["load"]
-    rows = ["| row | tokens/s | against plain | drafted rounds (timed) |", "|---|---|---|---|"]
-    for r in data["rows"]:
-        drafted = "—" if r["drafted"] is None else f"{r['drafted']} of {r['rounds']}"
-        rows.append(f"| {r['row']} | {r['tokens_per_s']:.1f} | {r['ratio']:.3f}× | {drafted} |")
-    return ["## Skipping at batch 1 with sampling", "",
-            f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
-            f"other processes' CPU {load['other_cpu']} s per s): the adaptive 15-node tree row of the regimes table at "
-            f"batch 1 with T = 1, where it skips nearly every round, beside plain decoding in one process, "
-            f"{meta['repetitions']} repetitions of {meta['prompts']} HumanEval prompts, interleaved per prompt: the "
-            "speculative loop with a policy that never drafts (what skipping costs without any probe), the adaptive "
-            "policy settled (its exploration spent over the prompt set twice first) and fresh (after one prompt, as "
-            "the bench's row starts a table). What the regimes table's batch-1 sampling cell loses (0.97–0.99× in its "
-            "runs) is of the order of a few probes and of the drift between two rows' runs, not the skipping loop.", "",
-            *rows, ""]
+    lines = ["## Skipping where nothing pays", "",
+             "`experiments/skip_path_ab.py` runs the adaptive 15-node tree row of the regimes table where it skips "
+             "nearly every round beside plain decoding, in one process, interleaved: plain decoding through the "
+             "step the adaptive row uses (which also returns the features a later draft reads), the speculative loop "
+             "with a policy that never drafts (what skipping costs without any probe), the adaptive policy settled "
+             "(its exploration spent over the prompt set twice first) and fresh (after one prompt or pass, as the "
+             "bench's row starts a table). The runs since the order was reversed on odd repetitions (ABBA) list each "
+             "repetition's tokens/s: their spread is what a regimes cell decided by a skipping row can move by.", ""]
+    for name, data in runs:
+        meta, load = data["meta"], data["meta"]["load"]
+        c, setting = meta.get("concurrency", 1), meta.get("setting", "sampling")
+        per_rep = any("per_repetition" in r for r in data["rows"])
+        head = "| row | tokens/s | against plain | drafted rounds (timed) |" + (" per repetition (tokens/s) |" if per_rep else "")
+        rows = [head, "|" + "---|" * (head.count("|") - 1)]
+        for r in data["rows"]:
+            drafted = "—" if r["drafted"] is None else f"{r['drafted']} of {r['rounds']}"
+            reps = f" {', '.join(f'{x:.0f}' for x in r['per_repetition'])} |" if per_rep else ""
+            rows.append(f"| {r['row']} | {r['tokens_per_s']:.1f} | {r['ratio']:.3f}× | {drafted} |{reps}")
+        order = "the order reversed on odd repetitions" if per_rep else "in one fixed order"
+        unit = "per prompt" if c == 1 else f"per pass over the set, {c} rows in flight"
+        lines += [f"### {'Batch 1' if c == 1 else f'{c} rows'}, {setting}", "",
+                  f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} "
+                  f"before, other processes' CPU {load['other_cpu']} s per s): {meta['repetitions']} repetitions of "
+                  f"{meta['prompts']} HumanEval prompts, interleaved {unit}, {order}.", "", *rows, ""]
+    return lines
 
 
 def _cprofile_lines() -> list[str]:
