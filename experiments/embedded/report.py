@@ -289,8 +289,8 @@ def main() -> int:
                             "rows at 8 and 32 rows are among the other adaptive rows. Where an "
                             "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
                             "through the speculative loop and a target step that also returns the drafter's "
-                            "features (0.1–2.4% dearer at 20 rows in three runs: \"Skipping where nothing pays\" below): what it loses "
-                            "or gains against plain decoding is that, a probe "
+                            "features (0.1–2.4% dearer at 20 rows in three runs: \"Skipping where nothing pays\" "
+                            "below): what it loses or gains against plain decoding is that, a probe "
                             "when one lands in a timed run (at 20 rows a probe drafts and verifies every row in full, "
                             "about twenty plain steps) and the VM's drift between the two rows' runs.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
