@@ -29,7 +29,16 @@ class TorchRandom:
         self.generator = generator
 
     def categorical(self, probs: Tensor) -> int:
-        return int(torch.multinomial(probs, 1, generator=self.generator).item())
+        """Inverse transform: the first index whose cumulative mass (float64) exceeds u × the total, u
+        uniform in [0, 1). An index of zero mass adds nothing to the cumulative, so it is never drawn.
+        (torch.multinomial over a vocabulary took several times as long for one draw.)"""
+        cdf = probs.double().cumsum(0)
+        device = self.generator.device if self.generator is not None else probs.device
+        u = torch.rand((), generator=self.generator, dtype=torch.float64, device=device).to(probs.device)
+        i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
+        if i >= probs.shape[0]:  # u × total rounded up to the total: the last index with mass
+            i = int((probs > 0).nonzero()[-1, 0])
+        return i
 
     def bernoulli(self, p: float) -> bool:
         if p >= 1.0:

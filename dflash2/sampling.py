@@ -1,8 +1,11 @@
 """The target's processed distribution p̃, shared by AR decoding and verification.
 
-Semantics are exactly Hugging Face `generate`'s sampling path: temperature, then top-k (ties with
-the k-th logit are kept), then top-p (smallest set whose mass exceeds top_p, at least one token),
-then softmax. `temperature == 0` means greedy: the canonical argmax is `torch.argmax` (first index
+Semantics are Hugging Face `generate`'s sampling path: temperature, then top-k (ties with the k-th
+logit are kept), then top-p (smallest set whose mass exceeds top_p, at least one token), then
+softmax. One choice is ours: where tokens of equal score straddle top-p's edge, the one of lower
+index is dropped first (HF drops them in the order its sort of the whole row puts them, which on
+long rows is not the index order and differs between devices); top-p then needs only the kept
+columns when top-k is on. `temperature == 0` means greedy: the canonical argmax is `torch.argmax` (first index
 among ties), used everywhere in this package.
 """
 
@@ -47,16 +50,26 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     scores = logits.float() if logits.dtype != torch.float64 else logits
     if params.temperature != 1.0:
         scores = scores / params.temperature
+    columns = None  # with top-k: [..., m] columns holding each row's kept scores, in index order
     if params.top_k:
         k = min(params.top_k, scores.size(-1))
         kth = torch.topk(scores, k)[0][..., -1:]
         scores = scores.masked_fill(scores < kth, -math.inf)
+        if params.top_p < 1.0:  # ties with the k-th score are kept: m >= k columns hold every kept score
+            m = int((scores > -math.inf).sum(-1).max())
+            columns = torch.topk(scores, m)[1].sort(-1)[0]
     if params.top_p < 1.0:
-        sorted_scores, sorted_idx = torch.sort(scores, descending=False)
+        # ascending, ties in index order: the order a sort of the whole row gives (the masked scores, -inf,
+        # first, adding zeros to the cumulative mass), over the m kept columns instead of V
+        if columns is None:
+            sorted_idx = torch.sort(scores, descending=False, stable=True)[1]
+        else:
+            sorted_idx = columns.gather(-1, torch.sort(scores.gather(-1, columns), stable=True)[1])
+        sorted_scores = scores.gather(-1, sorted_idx)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         sorted_remove = cumulative <= (1 - params.top_p)
         sorted_remove[..., -1:] = False
-        remove = sorted_remove.scatter(-1, sorted_idx, sorted_remove)
+        remove = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, sorted_idx, sorted_remove)
         scores = scores.masked_fill(remove, -math.inf)
     return scores.softmax(dim=-1)
 

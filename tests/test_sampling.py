@@ -1,4 +1,5 @@
-"""Sampling semantics are exactly HF generate's: temperature → top-k → top-p, same ties, same order."""
+"""Sampling semantics are HF generate's: temperature → top-k → top-p, same ties kept; at top-p's edge equal
+scores are dropped in index order (dflash2/sampling.py)."""
 
 import math
 
@@ -57,3 +58,51 @@ def test_process_logits_refuses_greedy():
 def test_bad_sampling_params(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
+
+
+def stable_reference(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """HF's temperature → top-k → top-p over the whole row, its sort made stable: equal scores at
+    top-p's edge dropped in index order."""
+    scores = logits / p.temperature
+    if p.top_k:
+        scores = scores.masked_fill(scores < torch.topk(scores, min(p.top_k, scores.shape[-1]))[0][..., -1:], -math.inf)
+    if p.top_p < 1.0:
+        ordered, idx = torch.sort(scores, stable=True)
+        remove = ordered.softmax(-1).cumsum(-1) <= 1 - p.top_p
+        remove[..., -1:] = False
+        scores = scores.masked_fill(torch.zeros_like(remove).scatter(-1, idx, remove), -math.inf)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize("top_k, top_p", [(20, 0.95), (50, 0.5), (3, 0.99), (600, 0.9), (0, 0.9)])
+def test_process_logits_over_a_vocabulary_is_hfs_up_to_which_tie_is_dropped(top_k, top_p):
+    """Rows of 600 logits on a coarse grid (ties at the k-th score and at top-p's edge), rows keeping
+    different numbers of tied scores: the probabilities are HF's as a multiset (a tie at top-p's edge
+    may drop another token of the same score), and exactly those of a whole-row stable sort (top-p
+    reads only the kept columns when top-k is on)."""
+    g = torch.Generator().manual_seed(top_k)
+    logits = torch.randint(-40, 40, (6, 600), generator=g).to(torch.float64) / 8
+    params = SamplingParams(0.7, top_k, top_p)
+    got = process_logits(logits, params)
+    torch.testing.assert_close(got, stable_reference(logits, params), rtol=0, atol=1e-15)
+    for i in range(logits.shape[0]):
+        torch.testing.assert_close(got[i].sort()[0], hf_probs(logits[i], params).sort()[0], rtol=0, atol=1e-15)
+
+
+def test_torch_random_draws_each_index_at_its_probability_and_never_one_of_zero_mass(monkeypatch):
+    """TorchRandom.categorical (inverse transform over the float64 cumulative mass): 200k draws over a
+    vocabulary with zero-mass gaps and ends match the probabilities (each count within 5 standard
+    deviations, seeded), never an index of zero mass; a uniform that lands on the total (rounding) gives
+    the last index with mass, not one past the vocabulary."""
+    import dflash2.rng as rng
+
+    probs = torch.zeros(4096)
+    probs[[0, 7, 8, 1000, 4000]] = torch.tensor([0.05, 0.4, 0.25, 0.2999, 0.0001])
+    source = rng.TorchRandom(torch.Generator().manual_seed(0))
+    n = 200_000
+    counts = torch.bincount(torch.tensor([source.categorical(probs) for _ in range(n)]), minlength=4096)
+    assert int(counts[probs == 0].sum()) == 0
+    expected = n * probs
+    assert bool(((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all()), counts[probs > 0]
+    monkeypatch.setattr(rng.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
+    assert source.categorical(probs) == 4000

@@ -371,7 +371,7 @@ def main() -> int:
                             "server without a drafter; every request goes through HTTP, so the server's AR is "
                             "slower than the offline engine of the headline table.")
     lines += _selector_ablation_section() + _vllm_parity_section()
-    lines += _ablation_section() + _profile_section() + _batch_round_section() + _skip_path_section()
+    lines += _ablation_section() + _profile_section() + _batch_round_section() + _skip_path_section() + _sampling_ab_section()
     lines += _roofline_section() + _serve_section()
     lines += _train_memory_section() + _regen_section() + _embedded_chat_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
@@ -848,6 +848,26 @@ def _skip_path_section() -> list[str]:
                   f"before, other processes' CPU {load['other_cpu']} s per s): {meta['repetitions']} repetitions of "
                   f"{meta['prompts']} HumanEval prompts, interleaved {unit}, {order}.", "", *rows, ""]
     return lines
+
+
+def _sampling_ab_section() -> list[str]:
+    data = _load("sampling_ab.json")
+    if data is None:
+        return []
+    meta, load = data["meta"], data["meta"]["load"]
+    rows = ["| rows in flight | before (tokens/s, median) | after | after / before | every repetition, before → after |",
+            "|---|---|---|---|---|"]
+    for r in data["rows"]:
+        reps = ", ".join(f"{b:.0f} → {a:.0f}" for b, a in zip(r["before"], r["after"]))
+        rows.append(f"| {r['rows']} | {r['median_before']:.0f} | {r['median_after']:.0f} | {r['ratio']:.2f}× | {reps} |")
+    return ["## Plain sampled decoding: top-p over the kept columns, one uniform per draw", "",
+            f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
+            f"other processes' CPU {load['other_cpu']} s per s): our plain decoding, T = 1, top-k 20, top-p 0.95, "
+            f"{meta['repetitions']} repetitions of {meta['prompts']} HumanEval prompts interleaved ABBA in one process, "
+            "with the sampling of before (top-p over a sort of the whole row; `torch.multinomial` over the vocabulary "
+            "for each draw) and of now (top-p over the columns top-k kept; one uniform against the float64 "
+            "cumulative mass). Outputs differ between the two for a seed (the draws consume the generator "
+            "differently); the distribution is the same (tests/test_sampling.py).", "", *rows, ""]
 
 
 def _cprofile_lines() -> list[str]:
