@@ -53,19 +53,19 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     columns = None  # with top-k: [..., m] columns holding each row's kept scores, in index order
     if params.top_k:
         k = min(params.top_k, scores.size(-1))
-        kth = torch.topk(scores, k)[0][..., -1:]
-        scores = scores.masked_fill(scores < kth, -math.inf)
+        top_scores, top_idx = torch.topk(scores, k)  # [..., k] descending
+        scores = scores.masked_fill(scores < top_scores[..., -1:], -math.inf)
         if params.top_p < 1.0:  # ties with the k-th score are kept: m >= k columns hold every kept score
             m = int((scores > -math.inf).sum(-1).max())
-            columns = torch.topk(scores, m)[1].sort(-1)[0]
+            columns = (top_idx if m == k else torch.topk(scores, m)[1]).sort(-1)[0]
     if params.top_p < 1.0:
         # ascending, ties in index order: the order a sort of the whole row gives (the masked scores, -inf,
         # first, adding zeros to the cumulative mass), over the m kept columns instead of V
         if columns is None:
-            sorted_idx = torch.sort(scores, descending=False, stable=True)[1]
+            sorted_scores, sorted_idx = torch.sort(scores, descending=False, stable=True)
         else:
-            sorted_idx = columns.gather(-1, torch.sort(scores.gather(-1, columns), stable=True)[1])
-        sorted_scores = scores.gather(-1, sorted_idx)
+            sorted_scores, order = torch.sort(scores.gather(-1, columns), stable=True)
+            sorted_idx = columns.gather(-1, order)
         cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
         sorted_remove = cumulative <= (1 - params.top_p)
         sorted_remove[..., -1:] = False
