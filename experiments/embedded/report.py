@@ -276,7 +276,7 @@ def main() -> int:
                             "drafter's batched round compiled in the `_compiled` rows: docs/architecture.md, "
                             "\"Performance choices\"; load average 0.27; our plain decoding at 954, 3552 and 5967 "
                             "tokens/s greedy at 1, 8 and 32 rows; two cells met: batch 1 greedy 1.35×, 32 rows sampling "
-                            "1.04×; its rows run in one fixed order, plain decoding first). The run in the table: "
+                            "1.04×; its rows run in one fixed order, plain decoding first) and "
                             "8a5fdcc at 05:22 on 2026-12-06, the first with the rows interleaved ABBA (the table's "
                             "order on even repetitions, the reverse on odd ones: in a fixed order the plain rows always "
                             "ran first and the adaptive rows right after the heaviest drafting rows), and a plain "
@@ -284,13 +284,19 @@ def main() -> int:
                             "my own timing runs that ended minutes before (not well under 1: indicative), other "
                             "processes' CPU 0.01 s per s (the load average after a table is the run's own two "
                             "threads): our plain decoding at 954, 3624 and 6355 tokens/s greedy at 1, 8 and 32 rows, "
-                            "one cell met (batch 1 greedy 1.34×). The cells take the "
+                            "one cell met (batch 1 greedy 1.34×). The run in the table: 8ab6506 at 08:15 on "
+                            "2026-12-06 (sampling cheaper: top-p over the columns top-k kept, one uniform per draw; "
+                            "docs/architecture.md, \"Performance choices\"), a quiet start: load average 0.15, other "
+                            "processes' CPU 0.01 s per s; our plain decoding at 971, 3585 and 6228 tokens/s greedy and "
+                            "818, 3082 and 4645 sampling at 1, 8 and 32 rows (at 8a5fdcc sampling: 794, 2244 and "
+                            "3213); one cell met (batch 1 greedy 1.34×). The cells take the "
                             "adaptive row as named before the run, compiled at batch 1 only; the compiled adaptive "
                             "rows at 8 and 32 rows are among the other adaptive rows. Where an "
                             "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
-                            "through the speculative loop and a target step that also returns the drafter's "
+                            "through the speculative loop, a target step that also returns the drafter's "
                             "features (0.1–2.4% dearer at 20 rows in three runs: \"Skipping where nothing pays\" "
-                            "below): what it loses or gains against plain decoding is that, a probe "
+                            "below) and the policy's call each round (under 1% of a decode at 8 rows, same section): "
+                            "what it loses or gains against plain decoding is that, a probe "
                             "when one lands in a timed run (at 20 rows a probe drafts and verifies every row in full, "
                             "about twenty plain steps) and the VM's drift between the two rows' runs.", cells=True)
     lines += _bench_section("bench_regimes_vllm", "Regimes beside vLLM: 1 and 8 rows, greedy (B = 16)",
@@ -334,12 +340,15 @@ def main() -> int:
                             "other processes' CPU 0.01 s per s: vLLM's bfloat16 at 448 and 2360 tokens/s, our plain "
                             "decoding 1.17× it at 8 rows, the adaptive row 1.14×, 2.23× at batch 1); d5bfe0c again at "
                             "20:44 (load average 0.50 at its start: vLLM's bfloat16 at 453 and 2259 tokens/s, our "
-                            "plain decoding 1.28× it at 8 rows, the adaptive row 1.24×, 2.19× at batch 1). The table's "
-                            "run: 6a7ffdd at 23:23 (the compiled products written by inductor, gemm=\"inductor\": "
-                            "docs/architecture.md, \"Performance choices\"), other processes' CPU 0.00 s per s but a "
-                            "load average of 0.86 at its start, left by the runs before it: not well under 1, so "
-                            "indicative by this project's rule; vLLM's bfloat16 plain decoding ran at 441 tokens/s at "
-                            "batch 1 and 2141 at 8 rows. With bfloat16 products, the greedy outputs of the speculative "
+                            "plain decoding 1.28× it at 8 rows, the adaptive row 1.24×, 2.19× at batch 1); 6a7ffdd at "
+                            "23:23 (the compiled products written by inductor, gemm=\"inductor\": docs/architecture.md, "
+                            "\"Performance choices\"; other processes' CPU 0.00 s per s but a load average of 0.86 at "
+                            "its start, left by the runs before it: not well under 1, so indicative by this project's "
+                            "rule); 6155bd1 on 2026-12-06 at 06:53 (sampling cheaper, which this greedy config does "
+                            "not use; quiet, load average 0.33; stopped after its batch-1 table for the session's end: "
+                            "the file marked partial). The table's run: 8ab6506 at 07:45 on 2026-12-06, a quiet start "
+                            "(load average 0.17, other processes' CPU 0.00 s per s). With bfloat16 products, the greedy "
+                            "outputs of the speculative "
                             "rows match our plain decoding's through the same step in 85–100% of prompts (95–100% "
                             "before): a verifying pass and a one-token pass multiply with different kernels, whose "
                             "bfloat16 roundings differ; the float32 rows match in every prompt.",
@@ -592,6 +601,34 @@ def _adaptive_row(cell: list[dict], concurrency: int, step: str | None = None) -
     return (compiled if concurrency == 1 and compiled else [r for r in rows if not r.get("compiled")] or [None])[0]
 
 
+def _cell(rows: list[dict], c: int, setting: str) -> dict | None:
+    """One of issue 32's cells in a run's rows: our fastest plain decoding (`plain`), the best fixed DFlash-2
+    row (`fixed`), the adaptive row (`adaptive`), the other adaptive rows (`others`), vLLM's faster plain
+    decoding (`engine`, in a run with vLLM's rows), the adaptive row's `ratio` and `paired` ratio to our
+    plain decoding; None where the run has no plain decoding in that cell."""
+    cell = [r for r in rows if r.get("concurrency", 1) == c and r["setting"] == setting and r.get("tokens_per_s")]
+    ours = [r for r in cell if r["method"].startswith("ar")]
+    if not ours:
+        return None
+    plain = max(ours, key=lambda r: r["tokens_per_s"])
+    fixed = max((r for r in cell if r["method"].startswith("dflash2") and "goodput" not in r["method"]),
+                key=lambda r: r["tokens_per_s"], default=None)
+    adaptive = _adaptive_row(cell, c, plain.get("target_step")) or _adaptive_row(cell, c)
+    engines = [r for r in cell if r["method"].startswith("vllm_ar")]
+    # paired: the median of its ratios to our plain decoding's run of the same prompt (at more rows, the same
+    # repetition) through the same target step, measured back to back; met only if both reach it
+    paired = None
+    if adaptive and adaptive.get("target_step") == plain.get("target_step"):
+        paired = adaptive.get("speedup_vs_step_plain") or (
+            adaptive.get("speedup") if plain["method"] in ("ar", "ar_static") else None)
+    ratio = adaptive["tokens_per_s"] / plain["tokens_per_s"] if adaptive else None
+    asked = REGIME_TARGETS[(c, setting)]
+    return dict(plain=plain, fixed=fixed, adaptive=adaptive, paired=paired, ratio=ratio,
+                others=[r for r in cell if "goodput" in r["method"] and r is not adaptive],
+                engine=max(engines, key=lambda r: r["tokens_per_s"], default=None),
+                met=ratio is not None and ratio >= asked and (paired is None or paired >= asked))
+
+
 def _regimes_cells(name: str) -> list[str]:
     """Issue 32's cells from a regimes run: per cell our fastest plain decoding, the best fixed DFlash-2
     row, the adaptive row (ADAPTIVE) and every other adaptive row, each as a ratio to our plain
@@ -607,41 +644,29 @@ def _regimes_cells(name: str) -> list[str]:
                 "adaptive / our plain | = plain |")
     out = [head, "|" + "---|" * (head.count("|") - 1)]
     for (c, setting), asked in REGIME_TARGETS.items():
-        cell = [r for r in rows if r.get("concurrency", 1) == c and r["setting"] == setting and r.get("tokens_per_s")]
-        ours = [r for r in cell if r["method"].startswith("ar")]
-        if not ours:
+        k = _cell(rows, c, setting)
+        if k is None:
             continue
-        plain = max(ours, key=lambda r: r["tokens_per_s"])
-        fixed = max((r for r in cell if r["method"].startswith("dflash2") and "goodput" not in r["method"]),
-                    key=lambda r: r["tokens_per_s"], default=None)
-        adaptive = _adaptive_row(cell, c, plain.get("target_step")) or _adaptive_row(cell, c)
-        others = [r for r in cell if "goodput" in r["method"] and r is not adaptive]
+        plain, fixed, adaptive = k["plain"], k["fixed"], k["adaptive"]
         x = lambda r, base=plain: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}×"  # noqa: E731
         same = adaptive.get("same_outputs_as_plain") if adaptive else None
         same = "—" if same is None else f"{same:.0%}"
         if vllm:
-            engines = [r for r in cell if r["method"].startswith("vllm_ar")]
-            if not engines:
+            engine = k["engine"]
+            if engine is None:
                 continue
-            engine = max(engines, key=lambda r: r["tokens_per_s"])
             out.append(f"| {c} | {setting} | {engine['tokens_per_s']:.0f} ({engine['method']}) | {x(plain, engine)} | "
                        + (f"{x(fixed, engine)} ({fixed['method']})" if fixed else "—") + " | "
                        + (f"{x(adaptive, engine)} ({adaptive['method']})" if adaptive else "—") + " | "
                        + (x(adaptive) if adaptive else "—") + f" | {same} |")
             continue
-        # paired: the median of its ratios to our plain decoding's run of the same prompt (at more rows, the same
-        # repetition) through the same target step, measured back to back; met only if both reach it
-        paired = None
-        if adaptive and adaptive.get("target_step") == plain.get("target_step"):
-            paired = adaptive.get("speedup_vs_step_plain") or (
-                adaptive.get("speedup") if plain["method"] in ("ar", "ar_static") else None)
-        met = adaptive is not None and adaptive["tokens_per_s"] / plain["tokens_per_s"] >= asked and \
-            (paired is None or paired >= asked)
+        paired = k["paired"]
         out.append(f"| {c} | {setting} | {plain['tokens_per_s']:.0f} | "
                    + (f"{x(fixed)} ({fixed['method']})" if fixed else "—") + " | "
                    + (f"**{x(adaptive)}** ({adaptive['method']})" if adaptive else "—") + " | "
                    + (f"{paired:.2f}×" if paired is not None else "—") + f" | {same} | "
-                   + ", ".join(f"{r['method']} {x(r)}" for r in others) + f" | ≥ {asked:.1f}× | {'yes' if met else 'no'} |")
+                   + ", ".join(f"{r['method']} {x(r)}" for r in k["others"])
+                   + f" | ≥ {asked:.1f}× | {'yes' if k['met'] else 'no'} |")
     how = ("ratios of total tokens/s; = plain: the share of the adaptive row's greedy outputs identical to our plain "
            "decoding's through the same step" if vllm else "its total tokens/s against our plain decoding's, and paired: the "
            "median of its ratios to our plain decoding's run of the same prompt, or at more rows of the same repetition, "
@@ -649,6 +674,54 @@ def _regimes_cells(name: str) -> list[str]:
            "identical to that plain decoding's")
     return ["", f"Issue 32's cells in this run (the adaptive row: `{ADAPTIVE}`, named before the run; the compiled "
             f"drafting round at batch 1, where the run has one; {how}):", "", *out, ""]
+
+
+def _run_label(stem: str, meta: dict) -> str:
+    """A kept run's name (date_HHMM_commit[_note]) as 'date HH:MM commit' (marked when the bench found the
+    machine busy), then its load average at the start and other processes' CPU, as table cells."""
+    day, hhmm, *rest = stem.split("_")
+    load = f"{meta['load_before']}" if meta.get("load_before") is not None else "—"
+    other = meta.get("other_cpu")
+    busy = " (busy)" if meta.get("busy") else ""
+    return f"{day} {hhmm[:2]}:{hhmm[2:]} {' '.join(rest)}{busy} | {load} | " + ("—" if other is None else f"{other}")
+
+
+def _regimes_runs(name: str) -> list[str]:
+    """Issue 32's cells in every kept run of a regimes config (docs/results/<name>/runs/*.json), one line a
+    run: against our plain decoding (the adaptive row's total ratio, * where the cell is met), and in a run
+    with vLLM's rows against vLLM's faster plain decoding. Runs on other machines or with other rows show
+    what they had ("—": a row the run did not have)."""
+    runs = [(p.stem, json.loads(p.read_text())) for p in sorted((RESULTS / name / "runs").glob("*.json"))]
+    if not runs:
+        return []
+    vllm = any(r["method"].startswith("vllm_ar") for _, d in runs for r in d["rows"])
+    cells = [k for k in REGIME_TARGETS if any(_cell(d["rows"], *k) for _, d in runs)]
+    f = lambda v: "—" if v is None else f"{v:.2f}×"  # noqa: E731
+    if vllm:
+        head = ("| run (its start, UTC; commit) | load average at its start | other processes' CPU | "
+                + " | ".join(f"{c} row{'s' if c > 1 else ''} {s}: vLLM tok/s, our plain, adaptive" for c, s in cells) + " |")
+    else:
+        head = ("| run (its start, UTC; commit) | load average at its start | other processes' CPU | "
+                + " | ".join(f"{c} row{'s' if c > 1 else ''} {s}" for c, s in cells) + " | met |")
+    out = [head, "|" + "---|" * (head.count("|") - 1)]
+    for stem, data in runs:
+        line, met = [], 0
+        for c, s in cells:
+            k = _cell(data["rows"], c, s)
+            if vllm:
+                e = k and k["engine"]
+                line.append("—" if not e else f"{e['tokens_per_s']:.0f}, {f(k['plain']['tokens_per_s'] / e['tokens_per_s'])}, "
+                            + f(k["adaptive"] and k["adaptive"]["tokens_per_s"] / e["tokens_per_s"]))
+            else:
+                met += bool(k and k["met"])
+                line.append("—" if k is None else f(k["ratio"]) + ("*" if k["met"] else ""))
+        out.append(f"| {_run_label(stem, data['meta'])} | " + " | ".join(line) + (" |" if vllm else f" | {met} |"))
+    what = ("vLLM's faster plain decoding (tokens/s), then our fastest plain decoding and the adaptive row as ratios "
+            "to it" if vllm else "the adaptive row's total tokens/s against our fastest plain decoding, * where the "
+            "cell is met (its paired ratio too)")
+    return ["", f"Every kept run of this config (docs/results/{name}/runs/), issue 32's cells: {what}. A run's load "
+            "average at its start decides whether it was quiet (well under 1); the machines' CPUs are in each run's "
+            "JSON.", "", *out, ""]
 
 
 def _sampling_section() -> list[str]:
@@ -847,7 +920,36 @@ def _skip_path_section() -> list[str]:
                   f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} "
                   f"before, other processes' CPU {load['other_cpu']} s per s): {meta['repetitions']} repetitions of "
                   f"{meta['prompts']} HumanEval prompts, interleaved {unit}, {order}.", "", *rows, ""]
-    return lines
+    return lines + _policy_call_lines()
+
+
+def _policy_call_lines() -> list[str]:
+    """experiments/policy_call_cost.py: the policy's own call in a round it skips."""
+    data = _load("policy_call_cost.json")
+    if data is None:
+        return []
+    meta, load = data["meta"], data["meta"]["load"]
+    rows = ["| policy | rows | µs per drafts() call |", "|---|---|---|"]
+    rows += [f"| {r['policy']} | {r['rows']} | {r['us_per_call']:.2f} |" for r in data["rows"]]
+    return ["### The policy's call in a skipped round", "",
+            f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
+            f"other processes' CPU {load['other_cpu']} s per s): `drafts(rows)` on policies settled into skipping "
+            f"(drafting priced far above a plain step, so no probe comes), the policy's clock on, the least of five "
+            f"timings of {meta['calls']} calls each (an empty Python call: {meta['empty_call_us']:.3f} µs). No model "
+            "runs: the call's work is the policy's bookkeeping (closing the round before it, the share test). "
+            "Under cProfile, which inflates Python calls, the same call had read 27 µs.", "", *rows, "",
+            *_policy_loop_lines(data.get("loop"))]
+
+
+def _policy_loop_lines(loop: dict | None) -> list[str]:
+    if not loop:
+        return []
+    return [f"Inside a real decode (`--loop`: 20 HumanEval prompts at {loop['rows']} rows in flight, T = 1, the bench's "
+            "adaptive 15-node tree policy settled over the prompt set three times first, skipping every round) the "
+            f"same call takes {loop['median_us']:.1f} µs at the median ({loop['calls']} calls, 90th percentile "
+            f"{loop['p90_us']:.1f} µs): {loop['share_of_decode']:.2%} of the decode's {loop['decode_s']:.2f} s. Between "
+            "two calls the target's passes run; the call then costs several times what it costs in a tight loop (cold "
+            "caches, most likely; not measured apart).", ""]
 
 
 def _sampling_ab_section() -> list[str]:
@@ -902,7 +1004,7 @@ def _bench_section(name: str, title: str, config: str, note: str, vllm: bool = F
     written = (f"`python {config}`" if config.split()[0].endswith(".py")
                else f"`python -m dflash2.bench --config {config}{engine} out=docs/results/{name}`")
     out = [f"## {title}", "", f"Written by {written} (docs/results/{name}/). {note}",
-           *(_regimes_cells(name) if cells else []), "", (RESULTS / name / "results.md").read_text(), "",
+           *(_regimes_cells(name) + _regimes_runs(name) if cells else []), "", (RESULTS / name / "results.md").read_text(), "",
            "| dataset | setting | concurrency | method | τ | τ − τ(top-1) | draft ms/round | verify ms/round | draft share |",
            "|---|---|---|---|---|---|---|---|---|"]
     for r in data["rows"]:
