@@ -442,17 +442,20 @@ class GoodputPolicy:
         """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
         return self._plain_model(rows) + self.residual("plain", rows)
 
-    def _time_round(self, kind: str | None, rows: int, modelled: float | None) -> None:
-        """Close the round in flight (its residual joins the window of its kind and rows when it is a
-        sample) and start the next one (kind None: none)."""
-        if self.clock is None:
+    def _time_round(self, now: float | None, kind: str | None, rows: int, modelled: float | None) -> None:
+        """Close the round in flight at `now` (its residual joins the window of its kind and rows when it
+        is a sample) and start the next one then (kind None: none). One clock reading serves both: the
+        policy's own seconds belong to the round it decides."""
+        if now is None:
             return
-        now = self.clock()
         done = self._round
         if done is not None and done.probe and self._probe_open is not None:
             self._close_probe_round(now - done.start)
         if done is not None and done.modelled is not None:
-            window = self._residuals[done.kind].setdefault(done.rows, deque(maxlen=ROUND_WINDOW))
+            windows = self._residuals[done.kind]
+            window = windows.get(done.rows)
+            if window is None:
+                window = windows[done.rows] = deque(maxlen=ROUND_WINDOW)
             window.append(now - done.start - done.modelled)
             if len(window) >= (1 if done.kind == "draft" else ROUND_SAMPLES):
                 low = sorted(window)[(len(window) - 1) // 4]  # the lower quartile: a gap that held more only adds
@@ -492,10 +495,11 @@ class GoodputPolicy:
         return _by_rows(self.draft_s, rows)
 
     def drafts(self, rows: int) -> bool:
-        self._time_round(None, rows, None)  # the round before this one ends here
+        now = None if self.clock is None else self.clock()
+        self._time_round(now, None, rows, None)  # the round before this one ends here
         drafting = self._drafts(rows)
         # a drafting round's model is known once its widths are (widths()); a plain step's now
-        self._time_round("draft" if drafting else "plain", rows, None if drafting else self._plain_model(rows))
+        self._time_round(now, "draft" if drafting else "plain", rows, None if drafting else self._plain_model(rows))
         return drafting
 
     def _drafts(self, rows: int) -> bool:
