@@ -129,7 +129,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
         tokens.append(anchor)
         pending = Backlog(step.features)  # target features the drafter has not read yet
         none = torch.zeros(0, dtype=torch.long, device=tgt.device)
-        empty = TokenTree(none, none) if verify == "tree" else Draft(none)  # a round the policy does not draft
+        empty = Draft(none)  # a round the policy does not draft: a plain step (a path's, also when verifying trees)
         first = True  # no round has drafted yet
         if on_commit:
             on_commit([anchor], 0)
@@ -152,7 +152,7 @@ def spec_generate(drafter: Drafter, target, input_ids: Tensor, *, max_new_tokens
                 # the tokens to verify, a prefix of the draft (the first round's drafting also read the prompt)
                 [draft] = apply_policy(policy, [drafted], None if first else t1 - t0)
                 first = False
-            if verify == "tree":
+            if verify == "tree" and not skip:
                 step = tgt.forward_tree(anchor, draft, cache)  # logits [1, M+1, V], M nodes
             else:
                 block = torch.cat([torch.tensor([anchor], device=tgt.device), draft.tokens.to(tgt.device)])

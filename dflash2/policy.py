@@ -58,6 +58,7 @@ SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that dr
 DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
 ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
 ROUND_SAMPLES = 4  # plain steps at a number of rows measured before their residual counts (a drafting round's: from the first)
+QUIET_ROUNDS = 30  # skipped rounds at most that GoodputPolicy answers without judging or timing them (drafts())
 HOPE_Z = 2.0  # the optimistic tokens per round a probe needs: this many standard errors above the estimate
 
 
@@ -353,9 +354,19 @@ class GoodputPolicy:
     seen before, in a timed round) counts only once a second probe confirms it; without that, one such
     probe priced every later one at seconds, and a policy that had stopped drafting never probed again.
     The model's price leaves out a drafting round's measured residual for the same reason. clock=None:
-    the model alone (what the tests of its arithmetic use)."""
+    the model alone (what the tests of its arithmetic use).
+
+    Quiet stretches: a skipped round whose following rounds would skip as surely (nothing they time can
+    change the answer before the probe comes: a skip changes no estimate, and the share test's sums are
+    known ahead) answers the next of them, up to `quiet_rounds`, with a counter, neither judging nor
+    timing them: inside a decode the full call costs several times what it costs alone (docs/results.md,
+    "The policy's call in a skipped round"). A stretch starts only once a plain step's residual window at
+    that number of rows is full, and only after a round it timed; the first full call after a stretch
+    opens a round and the next closes it, so that the window goes on taking one sample per stretch.
+    Without a clock the answers are those of the full calls (tests/test_policy.py)."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
+    quiet_rounds = QUIET_ROUNDS  # the longest quiet stretch (0: every call judges and times its round)
 
     def __init__(self, cost: CostModel, positions: int, calibrator: Calibrator | None = None,
                  padded: bool = False, explore: float = 0.05, explore_min: float = 0.002,
@@ -387,6 +398,10 @@ class GoodputPolicy:
         self.probe_s: dict[int, float] = {}
         # the probe in flight: [rows, seconds above plain so far, rounds left, the model's seconds above plain]
         self._probe_open: list | None = None
+        # quiet stretches (drafts()): the rounds the last skip showed to skip as surely, the rounds left of the
+        # stretch answered without judging or timing them, its number of rows and a plain step's seconds
+        self._skips_ahead = self._quiet = self._quiet_rows = 0
+        self._quiet_plain_s = 0.0
 
     def _raw(self, draft: Draft) -> torch.Tensor:
         """A draft's raw confidences [L] (UNKNOWN_CONFIDENCE where the drafter gives none)."""
@@ -442,12 +457,13 @@ class GoodputPolicy:
         """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
         return self._plain_model(rows) + self.residual("plain", rows)
 
-    def _time_round(self, now: float | None, kind: str | None, rows: int, modelled: float | None) -> None:
+    def _time_round(self, now: float | None, kind: str | None, rows: int, modelled: float | None) -> bool:
         """Close the round in flight at `now` (its residual joins the window of its kind and rows when it
         is a sample) and start the next one then (kind None: none). One clock reading serves both: the
-        policy's own seconds belong to the round it decides."""
+        policy's own seconds belong to the round it decides. Returns whether the round closed was a
+        plain step's sample at `rows` rows."""
         if now is None:
-            return
+            return False
         done = self._round
         if done is not None and done.probe and self._probe_open is not None:
             self._close_probe_round(now - done.start)
@@ -466,6 +482,7 @@ class GoodputPolicy:
                 if done.kind == "draft" or before is None or abs(low - before) > 0.05 * max(done.modelled, 1e-12):
                     self._pays.clear()
         self._round = None if kind is None else _Round(kind, rows, modelled, now, self._probe_open is not None)
+        return done is not None and done.modelled is not None and done.kind == "plain" and done.rows == rows
 
     def _close_probe_round(self, seconds: float) -> None:
         """A probe's round took `seconds`: its time above a plain step counts toward the probe's cost,
@@ -495,17 +512,33 @@ class GoodputPolicy:
         return _by_rows(self.draft_s, rows)
 
     def drafts(self, rows: int) -> bool:
+        if self._quiet and rows == self._quiet_rows:  # settled skipping: what the full call would answer
+            self._quiet -= 1
+            self._skipped_s += self._quiet_plain_s
+            self.chosen[SKIPPED] += rows
+            return False
+        self._quiet = 0  # (a stretch ends at another number of rows: what it showed held only at its own)
         now = None if self.clock is None else self.clock()
-        self._time_round(now, None, rows, None)  # the round before this one ends here
+        sampled = self._time_round(now, None, rows, None)  # the round before this one ends here
         drafting = self._drafts(rows)
+        if not drafting and self._skips_ahead and (now is None or sampled and self._residuals_full(rows)):
+            # the next rounds skip too, whatever they would time: answered without judging or timing them
+            # (this round is not timed either; the first full call after them opens a round, the next closes it)
+            self._quiet, self._quiet_rows, self._round = self._skips_ahead, rows, None
+            return False
         # a drafting round's model is known once its widths are (widths()); a plain step's now
         self._time_round(now, "draft" if drafting else "plain", rows, None if drafting else self._plain_model(rows))
         return drafting
 
+    def _residuals_full(self, rows: int) -> bool:
+        """Whether a plain step's residual window at `rows` rows is full (no quiet stretch before it is)."""
+        window = self._residuals["plain"].get(rows)
+        return window is not None and len(window) == ROUND_WINDOW
+
     def _drafts(self, rows: int) -> bool:
         draft_s = self.draft_cost(rows)
         if draft_s is None or self._probe_again:  # no drafting time measured yet, or a probe's second round
-            self._probing, self._probe_again = True, False
+            self._probing, self._probe_again, self._skips_ahead = True, False, 0
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
@@ -519,7 +552,7 @@ class GoodputPolicy:
             self._pays[rows] = (pays, plain_s, probe_extra, hopeful)
         pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
-            self._skipped_s, self._share = 0.0, self.explore
+            self._skipped_s, self._share, self._skips_ahead = 0.0, self.explore, 0
             return True
         self._skipped_s += plain_s
         share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
@@ -527,7 +560,13 @@ class GoodputPolicy:
         if self.probe_cost(rows, probe_extra * rounds) > share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
+            # how many of the next rounds skip as surely, nothing changing before them (the same sums, in the same order)
+            limit, skipped, self._skips_ahead = self.probe_cost(rows, probe_extra * 2), self._skipped_s, 0
+            while self._skips_ahead < self.quiet_rounds and limit > share * (skipped := skipped + plain_s):
+                self._skips_ahead += 1
+            self._quiet_plain_s = plain_s
             return False
+        self._skips_ahead = 0
         # a probe: draft and verify it all, twice (the first round also reads the skipped rounds'
         # features, so only the second times drafting); the next may cost half the share
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)

@@ -12,14 +12,14 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash2 import SamplingParams, VerifyPolicy, spec_generate, spec_generate_batch
 from dflash2.confidence import Calibrator, NodeRates, RoundCounts
 from dflash2.loop import AutoregressiveDrafter
-from dflash2.policy import (ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth, GoodputPolicy,
-                            TreeGoodputPolicy, best_cap, best_widths, hopeful, profile_draft)
+from dflash2.policy import (QUIET_ROUNDS, ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth,
+                            GoodputPolicy, TreeGoodputPolicy, best_cap, best_widths, hopeful, profile_draft)
 from dflash2.rng import TorchRandom
 from dflash2.tree import TokenTree, verify_tree
 from dflash2.verify import Draft
@@ -497,6 +497,91 @@ def test_one_stalled_round_does_not_stop_the_probes(stalled):
     probes = _run_blind(policy, 150, clock, stall)
     assert probes[:5] == {0: [0, 24, 25, 49, 50], 13: [0, 12, 13, 37, 38]}[stalled], probes
     assert policy.probe_cost(1, 5.8) == pytest.approx(5.8) and policy.residual("draft", 1) == pytest.approx(0.0, abs=1e-9)
+
+
+class _Judged(GoodputPolicy):
+    """GoodputPolicy that judges (and times) every round: no quiet stretches. Counts its full calls."""
+
+    quiet_rounds = 0
+
+
+def _full_calls(policy) -> list[int]:
+    """Count policy's full drafts() calls (those that judge the round) in a list it keeps."""
+    calls, judge = [0], policy._drafts
+
+    def counted(rows):
+        calls[0] += 1
+        return judge(rows)
+    policy._drafts = counted
+    return calls
+
+
+@settings(max_examples=60, deadline=None)
+@given(segments=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 120)), min_size=1, max_size=4),
+       slope=st.sampled_from([0.25, 0.5, 1.0, 2.0]), draft_time=st.sampled_from([0.25, 1.0, 4.0]),
+       explore=st.sampled_from([(0.5, 0.25), (0.05, 0.002), (1.0, 1.0)]),
+       accepted=st.lists(st.integers(0, 4), min_size=1, max_size=6), timed=st.booleans(),
+       extra=st.sampled_from([0.0, 0.5]))
+@example(segments=[(3, 19), (2, 60), (3, 82)], slope=0.25, draft_time=1.0, explore=(0.5, 0.25), accepted=[0, 3, 4],
+         timed=True, extra=0.0)  # a stretch at 3 rows cut by 2 rows: what it showed does not hold when 3 rows come back
+def test_quiet_stretches_answer_as_the_full_calls_do(segments, slope, draft_time, explore, accepted, timed, extra):
+    """Quiet stretches change no answer: over any run of numbers of rows, acceptances, costs and shares,
+    a policy that answers settled skips with a counter drafts in the same rounds, verifies the same
+    widths and counts the same skips as one that judges every round, without a clock and on a clock
+    whose plain steps take a constant `extra` above the model (so that a residual sample missed in a
+    stretch would have read what the others read). It also makes fewer full calls where it skips long."""
+    cost = CostModel(((1, 1.0), (2, 1.0 + slope)))
+    runs = []
+    for cls in (GoodputPolicy, _Judged):
+        clock = [0.0]
+        policy = cls(cost, 4, explore=explore[0], explore_min=explore[1], draft_s={1: draft_time},
+                     clock=(lambda c=clock: c[0]) if timed else None)
+        calls, answers, k = _full_calls(policy), [], 0
+        for rows, count in segments:
+            for _ in range(count):
+                drafting = policy.drafts(rows)
+                answers.append(drafting)
+                if drafting:
+                    drafts = [Draft(torch.arange(4))] * rows
+                    widths = policy.widths(drafts, draft_time)
+                    for d, w in zip(drafts, widths):
+                        policy.observe(d, w, list(range(min(w, accepted[k % len(accepted)]))))
+                        k += 1
+                    answers.append(tuple(widths))
+                    clock[0] += draft_time + cost.verify_s(rows + sum(widths)) + extra
+                else:
+                    clock[0] += cost.verify_s(rows) + extra
+        runs.append((answers, policy.chosen, policy._skipped_s, calls[0]))
+    (quiet, chosen, skipped_s, quiet_calls), (judged, judged_chosen, judged_skipped_s, judged_calls) = runs
+    assert quiet == judged and chosen == judged_chosen and skipped_s == judged_skipped_s
+    assert quiet_calls <= judged_calls == sum(count for _, count in segments)
+
+
+def test_quiet_stretches_leave_most_skipped_rounds_unjudged_and_keep_sampling_the_plain_step():
+    """The blind drafter against a dear pass, 400 rounds on a clock: a stretch starts once a plain step's
+    residual window is full, then every QUIET_ROUNDS + 2 rounds judge and time one round (a sample)."""
+    cost = CostModel(((1, 1.0), (2, 1.6)))
+    clock = [0.0]
+    policy = GoodputPolicy(cost, 4, explore=0.05, explore_min=0.002, draft_s={1: 0.5}, clock=lambda: clock[0])
+    calls = _full_calls(policy)
+    blind = Draft(torch.arange(4))
+    for _ in range(400):
+        if policy.drafts(1):
+            [w] = policy.widths([blind], 0.5)
+            policy.observe(blind, w, [])
+            clock[0] += 3.9
+        else:
+            clock[0] += 1.0
+    assert policy.chosen[SKIPPED] > 390  # (a probe or two among them)
+    # the window's first samples, then two full calls a stretch, and each probe's rounds and the two after them
+    assert calls[0] <= ROUND_WINDOW + 2 + 2 * 400 / (QUIET_ROUNDS + 2) + 2 * 4, calls[0]
+    window = policy._residuals["plain"][1]
+    assert len(window) == ROUND_WINDOW and policy.residual("plain", 1) == pytest.approx(0.0)
+    before = list(window)
+    for _ in range(2 * (QUIET_ROUNDS + 2)):
+        if not policy.drafts(1):
+            clock[0] += 1.5  # the machine slows: the samples read it
+    assert list(window) != before and max(window) == pytest.approx(0.5)
 
 
 def _distribution_with(policy_factory, drafter_name, params):
