@@ -33,7 +33,7 @@ from torch import Tensor
 from .checks import adapt_target, apply_policy, check_batch, check_concurrency, check_policy, check_stops, check_verify
 from .interfaces import BatchDrafter, Drafter, VerifyPolicy
 from .loop import AutoregressiveDrafter, GenerationResult
-from .rng import RandomSource, TorchRandom
+from .rng import RandomSource, TorchRandom, categorical_rows
 from .round import Backlog, decide, first_token, propose_rows, synchronizer
 from .sampling import SamplingParams, greedy_token, process_logits
 from .target.adapter import TargetAdapter, cat_rows_left_padded
@@ -244,7 +244,7 @@ def _plain_step(rows: _Rows, tgt: TargetAdapter, params: SamplingParams, rng: Ra
         chosen = greedy_token(step.logits[:, 0]).tolist()
     else:
         probs = process_logits(step.logits[:, 0], params)  # [R, V]
-        chosen = [rng.categorical(probs[i]) for i in range(R)]
+        chosen = categorical_rows(rng, probs)  # one draw per row, in row order
     for i, (r, token) in enumerate(zip(alive, chosen)):
         rows.tokens[r].append(token)
         rows.lengths[r].append(1)

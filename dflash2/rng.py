@@ -32,7 +32,7 @@ class TorchRandom:
         """Inverse transform: the first index whose cumulative mass (float64) exceeds u × the total, u
         uniform in [0, 1). An index of zero mass adds nothing to the cumulative, so it is never drawn.
         (torch.multinomial over a vocabulary took several times as long for one draw.)"""
-        cdf = probs.double().cumsum(0)
+        cdf = torch.cumsum(probs, 0, dtype=torch.float64)
         device = self.generator.device if self.generator is not None else probs.device
         u = torch.rand((), generator=self.generator, dtype=torch.float64, device=device).to(probs.device)
         i = int(torch.searchsorted(cdf, u * cdf[-1], right=True))
@@ -40,8 +40,25 @@ class TorchRandom:
             i = int((probs > 0).nonzero()[-1, 0])
         return i
 
+    def categorical_rows(self, probs: Tensor) -> list[int]:
+        """categorical() of each row of probs [R, V], in row order, in one go: the same R uniforms
+        (torch.rand of R draws what R calls draw), the same draws."""
+        cdf = torch.cumsum(probs, -1, dtype=torch.float64)  # [R, V]
+        device = self.generator.device if self.generator is not None else probs.device
+        u = torch.rand(probs.shape[0], generator=self.generator, dtype=torch.float64, device=device).to(probs.device)
+        drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0].tolist()
+        # u × total rounded up to the total: the last index with mass
+        return [i if i < probs.shape[1] else int((probs[r] > 0).nonzero()[-1, 0]) for r, i in enumerate(drawn)]
+
     def bernoulli(self, p: float) -> bool:
         if p >= 1.0:
             return True
         device = self.generator.device if self.generator is not None else "cpu"
         return bool(torch.rand((), generator=self.generator, device=device).item() < p)
+
+
+def categorical_rows(rng: RandomSource, probs: Tensor) -> list[int]:
+    """One draw from each row of probs [R, V], in row order: rng.categorical row by row, in one go where
+    the source offers it (TorchRandom.categorical_rows; a test's enumerating source draws row by row)."""
+    rows = getattr(rng, "categorical_rows", None)
+    return rows(probs) if rows is not None else [rng.categorical(p) for p in probs]

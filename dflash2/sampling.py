@@ -50,28 +50,39 @@ def process_logits(logits: Tensor, params: SamplingParams) -> Tensor:
     scores = logits.float() if logits.dtype != torch.float64 else logits
     if params.temperature != 1.0:
         scores = scores / params.temperature
-    columns = None  # with top-k: [..., m] columns holding each row's kept scores, in index order
-    if params.top_k:
-        k = min(params.top_k, scores.size(-1))
-        top_scores, top_idx = torch.topk(scores, k)  # [..., k] descending
-        scores = scores.masked_fill(scores < top_scores[..., -1:], -math.inf)
-        if params.top_p < 1.0:  # ties with the k-th score are kept: m >= k columns hold every kept score
-            m = int((scores > -math.inf).sum(-1).max())
-            columns = (top_idx if m == k else torch.topk(scores, m)[1]).sort(-1)[0]
-    if params.top_p < 1.0:
-        # ascending, ties in index order: the order a sort of the whole row gives (the masked scores, -inf,
-        # first, adding zeros to the cumulative mass), over the m kept columns instead of V
-        if columns is None:
-            sorted_scores, sorted_idx = torch.sort(scores, descending=False, stable=True)
-        else:
-            sorted_scores, order = torch.sort(scores.gather(-1, columns), stable=True)
-            sorted_idx = columns.gather(-1, order)
-        cumulative = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        sorted_remove = cumulative <= (1 - params.top_p)
-        sorted_remove[..., -1:] = False
-        remove = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, sorted_idx, sorted_remove)
-        scores = scores.masked_fill(remove, -math.inf)
+    if params.top_k and params.top_k < scores.size(-1):
+        return _top_k_probs(scores, params)
+    if params.top_p < 1.0:  # ascending, ties in index order; the masked scores (-inf) add nothing to the mass
+        ordered, order = torch.sort(scores, stable=True)
+        scores = scores.masked_fill(_top_p_removed(ordered, order, params.top_p), -math.inf)
     return scores.softmax(dim=-1)
+
+
+def _top_k_probs(scores: Tensor, params: SamplingParams) -> Tensor:
+    """process_logits with top-k on (k < V), every step after the top-k over the kept columns alone: a
+    few of them where the rest would touch all V (each small operator's call costs more than its work
+    at one row of a vocabulary), then p̃ scattered back to [..., V]."""
+    k = params.top_k
+    top, idx = torch.topk(scores, k)  # [..., k] descending
+    kth = top[..., -1:]
+    m = int((scores >= kth).sum(-1).max())  # ties with a row's k-th score are kept: m >= k columns hold them all
+    if m > k:
+        top, idx = torch.topk(scores, m)
+    kept = top.masked_fill(top < kth, -math.inf)  # [..., m] (a row with fewer ties: its extra columns masked)
+    if params.top_p < 1.0:  # over the kept columns in index order: equal scores at the edge go in index order
+        idx, by_index = idx.sort(-1)
+        kept = kept.gather(-1, by_index)
+        ordered, order = torch.sort(kept, stable=True)  # ascending
+        kept = kept.masked_fill(_top_p_removed(ordered, order, params.top_p), -math.inf)
+    return torch.zeros_like(scores).scatter_(-1, idx, kept.softmax(dim=-1))
+
+
+def _top_p_removed(ordered: Tensor, order: Tensor, top_p: float) -> Tensor:
+    """Scores sorted ascending (`ordered`, from the columns `order`) → which columns top-p removes: those
+    whose cumulative mass, from the least, stays within 1 - top_p (the largest score always stays)."""
+    removed = ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p
+    removed[..., -1:] = False
+    return torch.zeros_like(removed).scatter(-1, order, removed)
 
 
 def greedy_token(logits: Tensor) -> Tensor:

@@ -106,3 +106,30 @@ def test_torch_random_draws_each_index_at_its_probability_and_never_one_of_zero_
     assert bool(((counts - expected).abs() <= 5 * (expected * (1 - probs)).sqrt() + 1).all()), counts[probs > 0]
     monkeypatch.setattr(rng.torch, "rand", lambda *a, **k: torch.tensor(1.0, dtype=torch.float64))
     assert source.categorical(probs) == 4000
+
+
+@pytest.mark.parametrize("rows", [1, 8, 33])
+def test_torch_random_draws_rows_as_it_draws_them_one_by_one(rows, monkeypatch):
+    """TorchRandom.categorical_rows (the batched plain step's draw) draws what categorical draws row by
+    row from the same generator, and leaves the generator where those calls leave it; a uniform that
+    lands on a row's total gives that row's last index with mass; a source without it (a test's
+    enumerating source) is asked row by row."""
+    import dflash2.rng as rng
+
+    g = torch.Generator().manual_seed(rows)
+    probs = torch.softmax(3 * torch.randn(rows, 4096, generator=g), -1)
+    probs[:, 4000:] = 0  # zero mass at the end of every row
+    batched, single = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    drawn = rng.TorchRandom(batched).categorical_rows(probs)
+    assert drawn == [rng.TorchRandom(single).categorical(p) for p in probs]
+    assert torch.rand((), generator=batched).item() == torch.rand((), generator=single).item()
+    monkeypatch.setattr(rng.torch, "rand", lambda *a, **k: torch.ones(rows, dtype=torch.float64))
+    assert rng.TorchRandom().categorical_rows(probs) == [3999] * rows
+
+    class RowByRow:
+        asked = 0
+
+        def categorical(self, p):
+            RowByRow.asked += 1
+            return int(p.argmax())
+    assert rng.categorical_rows(RowByRow(), probs) == probs.argmax(-1).tolist() and RowByRow.asked == rows
