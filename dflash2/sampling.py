@@ -63,12 +63,13 @@ def _top_k_probs(scores: Tensor, params: SamplingParams) -> Tensor:
     few of them where the rest would touch all V (each small operator's call costs more than its work
     at one row of a vocabulary), then p̃ scattered back to [..., V]."""
     k = params.top_k
-    top, idx = torch.topk(scores, k)  # [..., k] descending
-    kth = top[..., -1:]
-    m = int((scores >= kth).sum(-1).max())  # ties with a row's k-th score are kept: m >= k columns hold them all
-    if m > k:
-        top, idx = torch.topk(scores, m)
-    kept = top.masked_fill(top < kth, -math.inf)  # [..., m] (a row with fewer ties: its extra columns masked)
+    top, idx = torch.topk(scores, k + 1)  # [..., k + 1] descending: the score after the k-th tells of ties
+    if bool((top[..., k] < top[..., k - 1]).all()):  # no row ties its k-th score beyond the k: those are kept
+        kept, idx = top[..., :k], idx[..., :k]
+    else:  # ties with a row's k-th score are kept: m > k columns hold them all
+        kth = top[..., k - 1: k]
+        top, idx = torch.topk(scores, int((scores >= kth).sum(-1).max()))
+        kept = top.masked_fill(top < kth, -math.inf)  # [..., m] (a row with fewer ties: its extra columns masked)
     if params.top_p < 1.0:  # over the kept columns in index order: equal scores at the edge go in index order
         idx, by_index = idx.sort(-1)
         kept = kept.gather(-1, by_index)
