@@ -1,11 +1,13 @@
 """What the adaptive policy's own call costs in a round it skips: `drafts(rows)` on a GoodputPolicy and
 a TreeGoodputPolicy settled into skipping (drafting priced far above a plain step), timed per call
-with the policy's real clock on (each call closes the round before it and times the next), at 1, 8
-and 32 rows, and beside it an empty Python call. No model runs: the call's work does not depend on
-the model, only on the policy's bookkeeping (the round's residual window, the probe's share test).
+with the policy's real clock on, at 1, 8 and 32 rows, and beside it an empty Python call; each policy
+as it runs (quiet stretches: most settled skips answered by a counter) and with every call judging and
+timing its round (quiet_rounds = 0: closing the round before it, the share test, opening the next).
+No model runs: the call's work does not depend on the model, only on the policy's bookkeeping.
 Alone in a tight loop the call runs from warm caches; --loop also times every call inside a real
 decode (the embedded pair, 8 rows in flight, T = 1, the bench's adaptive 15-node tree policy settled
-over the prompt set three times first), where the target's passes run between two calls.
+over the prompt set three times first), where the target's passes run between two calls, the full
+calls apart from the quiet ones.
 
     python experiments/policy_call_cost.py [--calls 200000] [--loop]
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import platform
 import sys
@@ -64,23 +67,33 @@ def in_loop(rows: int = 8, settle: int = 3) -> dict:
                                               generator=torch.Generator().manual_seed(seed), **setting)
     for seed in range(settle):
         decode(seed)
-    seconds, drafts = [], policy.drafts
+    seconds, full, drafts, judge = [], [], policy.drafts, policy._drafts
+    judged = [False]
+
+    def judging(n: int) -> bool:
+        judged[0] = True
+        return judge(n)
 
     def timed(n: int) -> bool:
+        judged[0] = False
         start = time.perf_counter()
         out = drafts(n)
         seconds.append(time.perf_counter() - start)
+        full.append(judged[0])
         return out
 
-    policy.drafts = timed
+    policy.drafts, policy._drafts = timed, judging
     start = time.perf_counter()
     decode(settle)
     total = time.perf_counter() - start
-    us = sorted(s * 1e6 for s in seconds)
-    found = dict(rows=rows, calls=len(us), median_us=us[len(us) // 2], p90_us=us[int(0.9 * len(us))], max_us=us[-1],
-                 share_of_decode=sum(seconds) / total, decode_s=total)
-    print(f"in a decode at {rows} rows: {found['calls']} calls, median {found['median_us']:.1f} µs, 90th percentile "
-          f"{found['p90_us']:.1f} µs, {found['share_of_decode']:.2%} of the decode's {total:.2f} s")
+    found = dict(rows=rows, calls=len(seconds), share_of_decode=sum(seconds) / total, decode_s=total)
+    for name, which in (("full", True), ("quiet", False)):
+        us = sorted(s * 1e6 for s, f in zip(seconds, full) if f == which)
+        found[name] = dict(calls=len(us), median_us=us[len(us) // 2], p90_us=us[int(0.9 * len(us))]) if us else None
+        if us:
+            print(f"in a decode at {rows} rows, {name} calls: {len(us)}, median {us[len(us) // 2]:.1f} µs, "
+                  f"90th percentile {us[int(0.9 * len(us))]:.1f} µs")
+    print(f"every call together: {found['share_of_decode']:.2%} of the decode's {total:.2f} s")
     return found
 
 
@@ -97,18 +110,21 @@ def main() -> int:
     cost = CostModel(((1, 1e-3), (8, 2e-3), (32, 5e-3), (512, 5e-2)))
     rows_out = []
     empty = per_call_us(lambda: None, args.calls)
-    for kind, cls in (("path", GoodputPolicy), ("tree", TreeGoodputPolicy)):
-        for rows in (1, 8, 32):
-            policy = cls(cost, 15, padded=rows > 1, draft_s={rows: 1e4}, loop_s={rows: 1e-4})
-            for _ in range(1000):  # settle: the residual windows filled, whether drafting pays cached
-                if policy.drafts(rows):
-                    raise SystemExit("the policy drafted: the prices above should make every round skip")
-            skipped = policy.chosen[SKIPPED]
-            us = per_call_us(lambda: policy.drafts(rows), args.calls)
-            if policy.chosen[SKIPPED] - skipped != 5 * args.calls * rows:
-                raise SystemExit("the policy drafted while timed: its prices should make every round skip")
-            rows_out.append(dict(policy=cls.__name__, verify=kind, rows=rows, us_per_call=us))
-            print(f"{cls.__name__:<18} rows {rows:>2}: {us:.2f} µs per drafts() call (an empty call: {empty:.3f} µs)")
+    for (kind, cls), rows, quiet in itertools.product((("path", GoodputPolicy), ("tree", TreeGoodputPolicy)), (1, 8, 32),
+                                                  (True, False)):
+        policy = cls(cost, 15, padded=rows > 1, draft_s={rows: 1e4}, loop_s={rows: 1e-4})
+        if not quiet:
+            policy.quiet_rounds = 0  # every call judges and times its round
+        for _ in range(1000):  # settle: the residual windows filled, whether drafting pays cached
+            if policy.drafts(rows):
+                raise SystemExit("the policy drafted: the prices above should make every round skip")
+        skipped = policy.chosen[SKIPPED]
+        us = per_call_us(lambda: policy.drafts(rows), args.calls)
+        if policy.chosen[SKIPPED] - skipped != 5 * args.calls * rows:
+            raise SystemExit("the policy drafted while timed: its prices should make every round skip")
+        rows_out.append(dict(policy=cls.__name__, verify=kind, rows=rows, quiet=quiet, us_per_call=us))
+        print(f"{cls.__name__:<18} rows {rows:>2} {'quiet stretches' if quiet else 'every call full':<15}: "
+              f"{us:.2f} µs per drafts() call (an empty call: {empty:.3f} µs)")
     loop = in_loop() if args.loop else None
     meta = dict(command="python experiments/policy_call_cost.py " + " ".join(sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),

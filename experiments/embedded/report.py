@@ -284,12 +284,24 @@ def main() -> int:
                             "my own timing runs that ended minutes before (not well under 1: indicative), other "
                             "processes' CPU 0.01 s per s (the load average after a table is the run's own two "
                             "threads): our plain decoding at 954, 3624 and 6355 tokens/s greedy at 1, 8 and 32 rows, "
-                            "one cell met (batch 1 greedy 1.34×). The run in the table: 8ab6506 at 08:15 on "
+                            "one cell met (batch 1 greedy 1.34×) and 8ab6506 at 08:15 on "
                             "2026-12-06 (sampling cheaper: top-p over the columns top-k kept, one uniform per draw; "
                             "docs/architecture.md, \"Performance choices\"), a quiet start: load average 0.15, other "
                             "processes' CPU 0.01 s per s; our plain decoding at 971, 3585 and 6228 tokens/s greedy and "
                             "818, 3082 and 4645 sampling at 1, 8 and 32 rows (at 8a5fdcc sampling: 794, 2244 and "
-                            "3213); one cell met (batch 1 greedy 1.34×). The cells take the "
+                            "3213); one cell met (batch 1 greedy 1.34×). The run in the table: 59bc75c at 11:25 on "
+                            "2026-12-06 (the policy's settled skips answered by a counter, quiet stretches; batch 1's "
+                            "plain steps verified as a path in the tree rows; top-k's probabilities over the kept "
+                            "columns, the batched plain step's draws in one go: docs/architecture.md), a quiet start: "
+                            "load average 0.36, other processes' CPU 0.005 s per s; our plain decoding at 927, 3487 "
+                            "and 5380 tokens/s greedy and 802, 3041 and 4108 sampling at 1, 8 and 32 rows; two cells "
+                            "met (batch 1 greedy 1.33×, 32 rows greedy 1.11×), the second by drift alone: at 32 rows "
+                            "every adaptive row skips every round, so it runs plain decoding's computation, and the "
+                            "bfloat16-product adaptive rows, all running that computation, spread over 1.08–1.12× of "
+                            "plain decoding greedy and 0.91–1.06× sampling in this run (the named row 1.11× and 0.91×). "
+                            "One row of this run is off alone: the float32 15-node tree policy at 32 rows "
+                            "greedy, skipping every round, at 0.68× plain decoding through its own step where the "
+                            "7-node one ran 1.11× (its plain steps three times as long; not explained). The cells take the "
                             "adaptive row as named before the run, compiled at batch 1 only; the compiled adaptive "
                             "rows at 8 and 32 rows are among the other adaptive rows. Where an "
                             "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
@@ -929,27 +941,36 @@ def _policy_call_lines() -> list[str]:
     if data is None:
         return []
     meta, load = data["meta"], data["meta"]["load"]
-    rows = ["| policy | rows | µs per drafts() call |", "|---|---|---|"]
-    rows += [f"| {r['policy']} | {r['rows']} | {r['us_per_call']:.2f} |" for r in data["rows"]]
+    quiet = {(r["policy"], r["rows"], r.get("quiet", False)): r["us_per_call"] for r in data["rows"]}
+    rows = ["| policy | rows | µs per drafts() call, every call full | with quiet stretches |", "|---|---|---|---|"]
+    rows += [f"| {policy} | {n} | {us:.2f} | " + (f"{quiet[policy, n, True]:.2f} |" if (policy, n, True) in quiet else "— |")
+             for (policy, n, q), us in quiet.items() if not q]
     return ["### The policy's call in a skipped round", "",
             f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
             f"other processes' CPU {load['other_cpu']} s per s): `drafts(rows)` on policies settled into skipping "
             f"(drafting priced far above a plain step, so no probe comes), the policy's clock on, the least of five "
             f"timings of {meta['calls']} calls each (an empty Python call: {meta['empty_call_us']:.3f} µs). No model "
-            "runs: the call's work is the policy's bookkeeping (closing the round before it, the share test). "
-            "Under cProfile, which inflates Python calls, the same call had read 27 µs.", "", *rows, "",
+            "runs: the call's work is the policy's bookkeeping. A full call closes the round before it, makes the "
+            "share test and opens the next; with quiet stretches (the policy as it runs) most settled skips are "
+            "answered by a counter (docs/architecture.md, \"Verification policies\"). Under cProfile, which inflates "
+            "Python calls, the full call had read 27 µs.", "", *rows, "",
             *_policy_loop_lines(data.get("loop"))]
 
 
 def _policy_loop_lines(loop: dict | None) -> list[str]:
     if not loop:
         return []
-    return [f"Inside a real decode (`--loop`: 20 HumanEval prompts at {loop['rows']} rows in flight, T = 1, the bench's "
-            "adaptive 15-node tree policy settled over the prompt set three times first, skipping every round) the "
-            f"same call takes {loop['median_us']:.1f} µs at the median ({loop['calls']} calls, 90th percentile "
-            f"{loop['p90_us']:.1f} µs): {loop['share_of_decode']:.2%} of the decode's {loop['decode_s']:.2f} s. Between "
-            "two calls the target's passes run; the call then costs several times what it costs in a tight loop (cold "
-            "caches, most likely; not measured apart).", ""]
+    head = (f"Inside a real decode (`--loop`: 20 HumanEval prompts at {loop['rows']} rows in flight, T = 1, the bench's "
+            "adaptive 15-node tree policy settled over the prompt set three times first, skipping every round)")
+    tail = (f"{loop['share_of_decode']:.2%} of the decode's {loop['decode_s']:.2f} s. Between two calls the target's "
+            "passes run; a full call then costs several times what it costs in a tight loop (cold caches, most likely; "
+            "not measured apart).")
+    if "full" not in loop:  # a run from before quiet stretches: every call full
+        return [f"{head} the same call takes {loop['median_us']:.1f} µs at the median ({loop['calls']} calls, 90th "
+                f"percentile {loop['p90_us']:.1f} µs): {tail}", ""]
+    parts = [f"{kind} calls: {c['calls']}, median {c['median_us']:.1f} µs, 90th percentile {c['p90_us']:.1f} µs"
+             for kind, c in (("full", loop["full"]), ("quiet", loop["quiet"])) if c]
+    return [f"{head}: {'; '.join(parts)}. Every call together: {tail}", ""]
 
 
 def _sampling_ab_section() -> list[str]:
