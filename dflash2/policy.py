@@ -536,9 +536,10 @@ class GoodputPolicy:
         return window is not None and len(window) == ROUND_WINDOW
 
     def _drafts(self, rows: int) -> bool:
+        self._skips_ahead = 0  # (set below where this round skips and the next ones would as surely)
         draft_s = self.draft_cost(rows)
         if draft_s is None or self._probe_again:  # no drafting time measured yet, or a probe's second round
-            self._probing, self._probe_again, self._skips_ahead = True, False, 0
+            self._probing, self._probe_again = True, False
             return True
         if rows not in self._pays:  # (a skipped round changes no estimate: skipping costs no recomputation)
             _, rate = self._round_rate([self.expected_curve()] * rows, draft_s)
@@ -552,7 +553,7 @@ class GoodputPolicy:
             self._pays[rows] = (pays, plain_s, probe_extra, hopeful)
         pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
-            self._skipped_s, self._share, self._skips_ahead = 0.0, self.explore, 0
+            self._skipped_s, self._share = 0.0, self.explore
             return True
         self._skipped_s += plain_s
         share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
@@ -561,12 +562,11 @@ class GoodputPolicy:
             self.chosen[SKIPPED] += rows
             self._stale = True
             # how many of the next rounds skip as surely, nothing changing before them (the same sums, in the same order)
-            limit, skipped, self._skips_ahead = self.probe_cost(rows, probe_extra * 2), self._skipped_s, 0
+            limit, skipped = self.probe_cost(rows, probe_extra * 2), self._skipped_s
             while self._skips_ahead < self.quiet_rounds and limit > share * (skipped := skipped + plain_s):
                 self._skips_ahead += 1
             self._quiet_plain_s = plain_s
             return False
-        self._skips_ahead = 0
         # a probe: draft and verify it all, twice (the first round also reads the skipped rounds'
         # features, so only the second times drafting); the next may cost half the share
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)

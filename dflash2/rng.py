@@ -31,7 +31,8 @@ class TorchRandom:
     def categorical(self, probs: Tensor) -> int:
         """Inverse transform: the first index whose cumulative mass (float64) exceeds u × the total, u
         uniform in [0, 1). An index of zero mass adds nothing to the cumulative, so it is never drawn.
-        (torch.multinomial over a vocabulary took several times as long for one draw.)"""
+        (torch.multinomial over a vocabulary took several times as long for one draw; categorical_rows
+        over one row runs more small operators than this.)"""
         cdf = torch.cumsum(probs, 0, dtype=torch.float64)
         device = self.generator.device if self.generator is not None else probs.device
         u = torch.rand((), generator=self.generator, dtype=torch.float64, device=device).to(probs.device)

@@ -973,24 +973,51 @@ def _policy_loop_lines(loop: dict | None) -> list[str]:
     return [f"{head}: {'; '.join(parts)}. Every call together: {tail}", ""]
 
 
+SAMPLING_VARIANTS = {
+    "sort": "top-p over a sort of the whole row, `torch.multinomial` over the vocabulary for each draw",
+    "columns": "top-p over the columns top-k kept, the mask, its count and the softmax over the whole row; one uniform "
+               "against the float64 cumulative mass per draw, the batched step's rows drawn one by one",
+    "now": "the package: after the one top-k, everything over the kept columns, p̃ scattered back to the vocabulary; "
+           "the batched step's rows drawn in one go",
+}
+
+
 def _sampling_ab_section() -> list[str]:
     data = _load("sampling_ab.json")
     if data is None:
         return []
     meta, load = data["meta"], data["meta"]["load"]
-    rows = ["| rows in flight | before (tokens/s, median) | after | after / before | every repetition, before → after |",
-            "|---|---|---|---|---|"]
-    for r in data["rows"]:
-        reps = ", ".join(f"{b:.0f} → {a:.0f}" for b, a in zip(r["before"], r["after"]))
-        rows.append(f"| {r['rows']} | {r['median_before']:.0f} | {r['median_after']:.0f} | {r['ratio']:.2f}× | {reps} |")
-    return ["## Plain sampled decoding: top-p over the kept columns, one uniform per draw", "",
+    head = ["## Plain sampled decoding: the sampling's operators", "",
             f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
             f"other processes' CPU {load['other_cpu']} s per s): our plain decoding, T = 1, top-k 20, top-p 0.95, "
-            f"{meta['repetitions']} repetitions of {meta['prompts']} HumanEval prompts interleaved ABBA in one process, "
-            "with the sampling of before (top-p over a sort of the whole row; `torch.multinomial` over the vocabulary "
-            "for each draw) and of now (top-p over the columns top-k kept; one uniform against the float64 "
-            "cumulative mass). Outputs differ between the two for a seed (the draws consume the generator "
-            "differently); the distribution is the same (tests/test_sampling.py).", "", *rows, ""]
+            f"{meta['repetitions']} repetitions of {meta['prompts']} HumanEval prompts interleaved in one process (the "
+            "order reversed on odd repetitions), with the sampling of before and of now. Outputs may differ between "
+            "them for a seed (the first draws consume the generator differently); the distribution is the same "
+            "(tests/test_sampling.py)."]
+    if "variants" not in meta:  # the file before three variants: before (sort) against after (columns)
+        rows = ["| rows in flight | before (tokens/s, median) | after | after / before | every repetition, before → after |",
+                "|---|---|---|---|---|"]
+        for r in data["rows"]:
+            reps = ", ".join(f"{b:.0f} → {a:.0f}" for b, a in zip(r["before"], r["after"]))
+            rows.append(f"| {r['rows']} | {r['median_before']:.0f} | {r['median_after']:.0f} | {r['ratio']:.2f}× | {reps} |")
+        return [*head, "", *rows, ""]
+    variants = meta["variants"]
+    others = [v for v in variants if v != "now"]
+    rows = ["| rows in flight | " + " | ".join(f"{v} (tokens/s, median)" for v in variants) + " | "
+            + " | ".join(f"now / {v}" for v in others) + " | every repetition (" + ", ".join(variants) + ") |",
+            "|" + "---|" * (2 + len(variants) + len(others))]
+    for r in data["rows"]:
+        reps = "; ".join(", ".join(f"{x:.0f}" for x in rep) for rep in zip(*(r["tokens_per_s"][v] for v in variants)))
+        rows.append(f"| {r['rows']} | " + " | ".join(f"{r['median'][v]:.0f}" for v in variants) + " | "
+                    + " | ".join(f"{r['ratio_now'][v]:.2f}×" for v in others) + f" | {reps} |")
+    alone = data.get("process_logits_alone") or []
+    if alone:
+        rows += ["", "`process_logits` alone (µs per call on random float32 logits, the same parameters; each variant's calls "
+                 "in a row, interleaved, median of five):", "",
+                 "| logits | " + " | ".join(variants) + " |", "|" + "---|" * (1 + len(variants)),
+                 *[f"| {a['rows']} × {a['vocab']} | " + " | ".join(f"{a['median_us'][v]:.1f}" for v in variants) + " |"
+                   for a in alone]]
+    return [*head, "", *[f"- `{v}`: {SAMPLING_VARIANTS.get(v, v)}." for v in variants], "", *rows, ""]
 
 
 def _cprofile_lines() -> list[str]:
