@@ -89,10 +89,10 @@ def in_loop(rows: int = 8, settle: int = 3) -> dict:
     found = dict(rows=rows, calls=len(seconds), share_of_decode=sum(seconds) / total, decode_s=total)
     for name, which in (("full", True), ("quiet", False)):
         us = sorted(s * 1e6 for s, f in zip(seconds, full) if f == which)
-        found[name] = dict(calls=len(us), median_us=us[len(us) // 2], p90_us=us[int(0.9 * len(us))]) if us else None
-        if us:
-            print(f"in a decode at {rows} rows, {name} calls: {len(us)}, median {us[len(us) // 2]:.1f} µs, "
-                  f"90th percentile {us[int(0.9 * len(us))]:.1f} µs")
+        found[name] = calls = dict(calls=len(us), median_us=us[len(us) // 2], p90_us=us[int(0.9 * len(us))]) if us else None
+        if calls:
+            print(f"in a decode at {rows} rows, {name} calls: {calls['calls']}, median {calls['median_us']:.1f} µs, "
+                  f"90th percentile {calls['p90_us']:.1f} µs")
     print(f"every call together: {found['share_of_decode']:.2%} of the decode's {total:.2f} s")
     return found
 

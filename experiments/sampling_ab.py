@@ -145,6 +145,23 @@ def time_process_logits(variants: list[str], rows: list[int], vocab: int, calls:
     return out
 
 
+def time_one_draw(vocab: int, calls: int, repetitions: int) -> dict:
+    """Microseconds per draw from one row [vocab]: TorchRandom.categorical against categorical_rows over
+    that row as a [1, vocab] batch (the same draw), interleaved; the median per way."""
+    rng = TorchRandom(torch.Generator().manual_seed(0))
+    probs = torch.softmax(4 * torch.randn(vocab, generator=torch.Generator().manual_seed(1)), 0)
+    ways = {"categorical": lambda: rng.categorical(probs), "categorical_rows, one row": lambda: rng.categorical_rows(probs[None])}
+    times = {w: [] for w in ways}
+    for rep in range(repetitions + 1):  # the first pass warms up
+        for w in (list(ways) if rep % 2 == 0 else list(ways)[::-1]):
+            start = time.perf_counter()
+            for _ in range(calls):
+                ways[w]()
+            if rep:
+                times[w].append(1e6 * (time.perf_counter() - start) / calls)
+    return dict(vocab=vocab, us=times, median_us={w: statistics.median(t) for w, t in times.items()})
+
+
 @torch.no_grad()
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -176,6 +193,9 @@ def main() -> int:
     for r in alone:
         times = ", ".join(f"{v} {r['median_us'][v]:.1f} µs" for v in variants)
         print(f"process_logits alone, {r['rows']} × {r['vocab']}: {times}")
+    draw = time_one_draw(target.config.vocab_size, 10 * args.calls, 5) if args.calls else None
+    if draw:
+        print("one draw: " + ", ".join(f"{w} {us:.1f} µs" for w, us in draw["median_us"].items()))
     for rows in cases:  # compiles, first calls
         for which in variants:
             with sampling(which):
@@ -202,7 +222,7 @@ def main() -> int:
                 machine=platform.platform(), cpu=cpu_description(), threads=torch.get_num_threads(),
                 prompts=args.prompts, repetitions=args.repetitions, source=source, variants=variants, load=load)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(dict(meta=meta, rows=table, process_logits_alone=alone), indent=2) + "\n")
+    args.out.write_text(json.dumps(dict(meta=meta, rows=table, process_logits_alone=alone, one_draw=draw), indent=2) + "\n")
     return 0
 
 

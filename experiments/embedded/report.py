@@ -1020,6 +1020,9 @@ def _sampling_ab_section() -> list[str]:
                  "| logits | " + " | ".join(variants) + " |", "|" + "---|" * (1 + len(variants)),
                  *[f"| {a['rows']} × {a['vocab']} | " + " | ".join(f"{a['median_us'][v]:.1f}" for v in variants) + " |"
                    for a in alone]]
+    if draw := data.get("one_draw"):
+        rows += ["", f"One draw from a row of {draw['vocab']} (µs, interleaved, median of five): "
+                 + ", ".join(f"`{w}` {us:.1f}" for w, us in draw["median_us"].items()) + "."]
     return [*head, "", *[f"- `{v}`: {SAMPLING_VARIANTS.get(v, v)}." for v in variants], "", *rows, ""]
 
 
