@@ -6,7 +6,9 @@ skipping costs with no probe at all: those features, the policy's call), the ada
 (run over the prompt set twice first: its exploration spent, as on a server that has been running)
 and fresh (as the bench's row starts a table: after one prompt). Interleaved per prompt (at more than
 one row: per pass over the prompt set, `concurrency` rows in flight), the order reversed on odd
-repetitions; the drafter in bfloat16; greedy, or T = 1, top-k 20, top-p 0.95.
+repetitions; the drafter in bfloat16; greedy, or T = 1, top-k 20, top-p 0.95. Each row's time per
+token in the loop's stages (GenerationResult's prefill_s, draft_s, verify_s: before the first round,
+drafting with the policy's call, verifying) says where a skipping row's extra time goes.
 
     python experiments/skip_path_ab.py [--concurrency 1] [--setting sampling] [--prompts 20] [--repetitions 3]
 
@@ -104,6 +106,8 @@ def main() -> int:
     before = {name: policy.chosen.copy() for name, policy in policies.items()}
     totals = {name: [0, 0.0] for name in rows}
     per_rep = {name: [] for name in rows}  # each repetition's tokens/s
+    # each row's seconds in the loop's stages (a batch's results share its timings: counted once)
+    stages = {name: dict(prefill=0.0, draft=0.0, verify=0.0) for name in rows}
     for rep in range(args.repetitions):
         done = {name: [0, 0.0] for name in rows}
         for i, x in enumerate(units):
@@ -113,7 +117,10 @@ def main() -> int:
                 t = time.perf_counter()
                 result = fn(x, 1000 * rep + i)
                 done[name][1] += time.perf_counter() - t
-                done[name][0] += sum(o.new_tokens.numel() for o in (result if isinstance(result, list) else [result]))
+                outs = result if isinstance(result, list) else [result]
+                done[name][0] += sum(o.new_tokens.numel() for o in outs)
+                for stage in stages[name]:
+                    stages[name][stage] += getattr(outs[0], f"{stage}_s")
         for name, (n, s) in done.items():
             totals[name][0] += n
             totals[name][1] += s
@@ -127,7 +134,8 @@ def main() -> int:
         drafted = None if chosen is None else sum(v for w, v in chosen.items() if w >= 0)
         table.append(dict(row=name, tokens_per_s=n / s, ratio=n / s / plain, drafted=drafted,
                           rounds=None if chosen is None else sum(chosen.values()),
-                          per_repetition=per_rep[name]))
+                          per_repetition=per_rep[name],
+                          stages_us_per_token={k: 1e6 * v / n for k, v in stages[name].items()}))
         counted = "" if chosen is None else f"{drafted} of {table[-1]['rounds']}"
         print(f"{name:<20} {n / s:>9.1f} {n / s / plain:>7.3f}×  {counted}")
     meta = dict(command="python experiments/skip_path_ab.py " + " ".join(sys.argv[1:]),

@@ -289,19 +289,43 @@ def main() -> int:
                             "docs/architecture.md, \"Performance choices\"), a quiet start: load average 0.15, other "
                             "processes' CPU 0.01 s per s; our plain decoding at 971, 3585 and 6228 tokens/s greedy and "
                             "818, 3082 and 4645 sampling at 1, 8 and 32 rows (at 8a5fdcc sampling: 794, 2244 and "
-                            "3213); one cell met (batch 1 greedy 1.34×). The run in the table: 59bc75c at 11:25 on "
+                            "3213); one cell met (batch 1 greedy 1.34×) and 59bc75c at 11:25 on "
                             "2026-12-06 (the policy's settled skips answered by a counter, quiet stretches; batch 1's "
                             "plain steps verified as a path in the tree rows; top-k's probabilities over the kept "
                             "columns, the batched plain step's draws in one go: docs/architecture.md), a quiet start: "
-                            "load average 0.36, other processes' CPU 0.005 s per s; our plain decoding at 927, 3487 "
-                            "and 5380 tokens/s greedy and 802, 3041 and 4108 sampling at 1, 8 and 32 rows; two cells "
-                            "met (batch 1 greedy 1.33×, 32 rows greedy 1.11×), the second by drift alone: at 32 rows "
-                            "every adaptive row skips every round, so it runs plain decoding's computation, and the "
-                            "bfloat16-product adaptive rows, all running that computation, spread over 1.08–1.12× of "
-                            "plain decoding greedy and 0.91–1.06× sampling in this run (the named row 1.11× and 0.91×). "
-                            "One row of this run is off alone: the float32 15-node tree policy at 32 rows "
-                            "greedy, skipping every round, at 0.68× plain decoding through its own step where the "
-                            "7-node one ran 1.11× (its plain steps three times as long; not explained). The cells take the "
+                            "load average 0.36; our plain decoding at 927, 3487 and 5380 tokens/s greedy and 802, 3041 "
+                            "and 4108 sampling at 1, 8 and 32 rows; two cells met (batch 1 greedy 1.33×, 32 rows "
+                            "greedy 1.11×), the second by drift alone: the bfloat16-product adaptive rows, all "
+                            "skipping every 32-row round, spread over 1.08–1.12× of plain decoding greedy and "
+                            "0.91–1.06× sampled in that run. One of its rows was off alone, the float32 15-node tree "
+                            "policy at 32 rows greedy: skipping every round, it ran at 0.68× plain decoding through "
+                            "its own step where the 7-node one ran 1.11×. It did not come back: alone at f364d88, "
+                            "the four float32 tree policies at 32 rows greedy, 3 repetitions, ran at 0.99–1.00× "
+                            "(`python -m dflash2.bench --config configs/bench/regimes.yaml 'methods=[ar,dflash2_goodput_tree]' "
+                            "'tree_nodes=[7,15]' 'concurrency=[32]' 'settings=[greedy]' 'target_steps=[static]' "
+                            "repetitions=3`, 16:24 UTC, load average 0.23: docs/results/bench_regimes_c32_float32/), "
+                            "and in the full run after it 1.00×. The run in the table: f364d88 at 16:32 on "
+                            "2026-12-06 (since 59bc75c only a tidy-up of where the policy clears a count: the same "
+                            "arithmetic), "
+                            "a quiet start: load average 0.40, other processes' CPU 0.005 s per s; our plain decoding "
+                            "at 889, 3283 and 5725 tokens/s greedy and 767, 2840 and 4804 sampled at 1, 8 and 32 rows; "
+                            "one cell met (batch 1 greedy 1.39×). This run drifted less than the one before it: "
+                            "the 24 adaptive rows that skip every round at 8 and 32 rows ran at 0.97–1.03× plain "
+                            "decoding through their own step (0.997× on average), each row's two repetitions within "
+                            "about 0.02 of each other, the four cells' named rows at 0.99–1.00×; at batch 1 sampled "
+                            "the bfloat16-product rows ran at 0.970–0.975× and the float32 ones at 1.005–1.009× "
+                            "(the bench's plain row and 15-node tree policy with bfloat16 products alone, eager drafter, "
+                            "3 repetitions: 0.97× again; `python -m dflash2.bench --config configs/bench/regimes.yaml "
+                            "'methods=[ar,dflash2_goodput_tree]' 'tree_nodes=[15]' 'concurrency=[1]' "
+                            "'settings=[sampling]' 'target_steps=[static_bf16mm]' compile_drafters=false "
+                            "repetitions=3`: docs/results/bench_regimes_b1_sampling_bf16mm/). Where that "
+                            "goes, per token of a batch-1 sampled decode "
+                            "(\"Skipping where nothing pays\" below, its stage columns): about 7 µs before the first "
+                            "round (the prompt's pass through the step that also returns features, the drafter's "
+                            "context to come; under 1 ms a prompt) and about 10 µs in the drafting stage (the policy's "
+                            "calls and its few probes), against about 1200 µs of passes that cost the same: 1–1.5% in "
+                            "that script, more in the bench. Taking both to nothing would bring such a row to plain "
+                            "decoding's speed, not past it. The cells take the "
                             "adaptive row as named before the run, compiled at batch 1 only; the compiled adaptive "
                             "rows at 8 and 32 rows are among the other adaptive rows. Where an "
                             "adaptive row skips nearly every round (sampling, 8 and 32 rows), it is plain decoding "
@@ -875,6 +899,7 @@ def _batch_round_section() -> list[str]:
     st = sm["stages_ms"]
     python = (st["verification (_verify_and_commit)"] - st["  target pass (forward_masked)"]
               + st["  best-first trees, per row"] + st["finished rows and compaction (_retire)"])
+    floor = st["  target pass (forward_masked)"] + st["newcomers' prefill (_admit)"]  # the target's own passes
     return [f"## Where a round's time goes at {meta['rows']} rows", "",
             f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average "
             f"{load['load_before']} before, other processes' CPU {load['other_cpu']} s per s): plain decoding and "
@@ -901,7 +926,12 @@ def _batch_round_section() -> list[str]:
             "small operators of the loop's bookkeeping (docs/architecture.md, \"Performance choices\"). "
             f"The loop's own Python (the verdicts, the cache's bookkeeping, the trees, retiring "
             f"rows) takes {python:.2f} ms a round: a round without any would still take "
-            f"{sm['tree_round_ms'] - python:.2f} ms against the {sm['round_ms_for_1_3x']:.2f} ms that 1.3× needs.", ""]
+            f"{sm['tree_round_ms'] - python:.2f} ms against the {sm['round_ms_for_1_3x']:.2f} ms that 1.3× needs. "
+            f"The target's passes alone, the verifying one and the newcomers' prefills, take {floor:.2f} ms a round: "
+            f"with drafting and the loop's Python free, a round would beat plain decoding "
+            f"{sm['tie_round_ms'] / floor:.2f}× at this τ, and 1.3× leaves "
+            f"{sm['round_ms_for_1_3x'] - floor:.2f} ms for all of them, where they take "
+            f"{sm['tree_round_ms'] - floor:.2f} ms.", ""]
 
 
 def _skip_path_section() -> list[str]:
@@ -923,12 +953,18 @@ def _skip_path_section() -> list[str]:
         meta, load = data["meta"], data["meta"]["load"]
         c, setting = meta.get("concurrency", 1), meta.get("setting", "sampling")
         per_rep = any("per_repetition" in r for r in data["rows"])
-        head = "| row | tokens/s | against plain | drafted rounds (timed) |" + (" per repetition (tokens/s) |" if per_rep else "")
+        staged = all("stages_us_per_token" in r for r in data["rows"])
+        head = ("| row | tokens/s | against plain | drafted rounds (timed) |"
+                + (" per repetition (tokens/s) |" if per_rep else "")
+                + (" µs per token: before the first round, drafting (the policy's call included), verifying |"
+                   if staged else ""))
         rows = [head, "|" + "---|" * (head.count("|") - 1)]
         for r in data["rows"]:
             drafted = "—" if r["drafted"] is None else f"{r['drafted']} of {r['rounds']}"
             reps = f" {', '.join(f'{x:.0f}' for x in r['per_repetition'])} |" if per_rep else ""
-            rows.append(f"| {r['row']} | {r['tokens_per_s']:.1f} | {r['ratio']:.3f}× | {drafted} |{reps}")
+            st = r.get("stages_us_per_token")
+            cost = f" {st['prefill']:.1f}, {st['draft']:.1f}, {st['verify']:.1f} |" if staged else ""
+            rows.append(f"| {r['row']} | {r['tokens_per_s']:.1f} | {r['ratio']:.3f}× | {drafted} |{reps}{cost}")
         order = "the order reversed on odd repetitions" if per_rep else "in one fixed order"
         unit = "per prompt" if c == 1 else f"per pass over the set, {c} rows in flight"
         lines += [f"### {'Batch 1' if c == 1 else f'{c} rows'}, {setting}", "",
