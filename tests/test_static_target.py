@@ -107,6 +107,27 @@ def test_steps_equal_the_models_forward(arch, fused, linear_dtype):
     close(t1.logits, t2.logits), close(t1.features, t2.features)
 
 
+def test_batch_one_buffers_grow_with_the_sequence_up_to_capacity():
+    """A cache's buffers hold twice its first pass's slots and double when a pass fills them, never past
+    capacity, the slots in use carried over: the logits through every growth equal the model's forward.
+    No pass ends at the buffers' last slot short of capacity (the compiled graphs are warmed up on passes
+    that end short of it). Buffers of the whole capacity from the first pass zeroed megabytes a decode."""
+    target = tiny_target("qwen3")
+    ours, theirs = StaticTarget(target, capacity=40), TargetAdapter(target)
+    a, b = ours.new_cache(), theirs.new_cache()
+    g = torch.Generator().manual_seed(3)
+    sizes = []
+    for n in (3, 1, 2, 1, 5, 4, 8, 6, 9):  # passes ending at 3, 4, 6, 7, 12, 16, 24, 30, 39
+        block = torch.randint(0, MASK, (1, n), generator=g)
+        s1, s2 = ours.forward(block, a), theirs.forward(block, b)
+        torch.testing.assert_close(s1.logits, s2.logits, rtol=0, atol=1e-10)
+        sizes.append(a.keys[0].shape[2])
+        assert a.length < sizes[-1] or sizes[-1] == 40
+    assert sizes == [6, 6, 12, 12, 24, 24, 40, 40, 40]
+    with pytest.raises(ValueError, match="holds 40"):
+        ours.forward(torch.zeros(1, 2, dtype=torch.long), a)
+
+
 @pytest.mark.parametrize("arch, linear_dtype", [(a, None) for a in ARCHS] + [("qwen3", BF16), ("mistral_sliding", BF16)])
 def test_decoding_through_it_equals_generate(arch, linear_dtype):
     """Greedy decoding (AR, paths, trees) equals `generate`: of the model, or with bfloat16 products of

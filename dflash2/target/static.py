@@ -175,17 +175,17 @@ class StaticTarget(TargetAdapter):
         return StaticCache()
 
     def _reserve(self, cache: StaticCache, slots: int) -> None:
-        """Check that `slots` slots fit; the buffers (capacity slots, the model's K/V shape) are
-        allocated on a cache's first pass and never grow."""
+        """Check that `slots` slots fit (at most `capacity`); the buffers hold twice the slots of a
+        cache's first pass, and twice what they held when a pass fills them (within capacity; the
+        slots in use copied). Buffers of the whole capacity from the start made every decode zero
+        megabytes per layer before its first token. A pass never ends at the buffers' last slot
+        (short of capacity): the compiled step's graphs are warmed up on passes that end short of
+        it, and a slice to the very end would compile another."""
         if slots > self.capacity:
             raise ValueError(f"the sequence needs {slots} cache slots; this StaticTarget holds {self.capacity}")
-        if cache.keys:
-            return
-        attn = self.decoder.layers[0].self_attn
-        kv_heads = getattr(attn, "num_key_value_heads", None) or self.config.num_key_value_heads
-        weight = self.model.get_input_embeddings().weight
-        new = lambda: weight.new_zeros(1, kv_heads, self.capacity, attn.head_dim)  # noqa: E731
-        cache.keys, cache.values = [new() for _ in range(self.num_layers)], [new() for _ in range(self.num_layers)]
+        have = cache.keys[0].shape[2] if cache.keys else 0
+        if slots >= have and have < self.capacity:
+            self._resize(cache, 1, min(self.capacity, 2 * max(slots, have)))
 
     def crop(self, cache, length: int) -> None:
         if not isinstance(cache, StaticCache):
@@ -369,22 +369,28 @@ class StaticTarget(TargetAdapter):
         slots grow by one pass at a time, its rows by admissions)."""
         if cache.keys and rows <= cache.keys[0].shape[0] and slots <= cache.keys[0].shape[2]:
             return
+        if not cache.keys:  # the first pass: exactly as large as it needs
+            self._resize(cache, rows, slots)
+            return
+        have_rows, have_slots = cache.keys[0].shape[0], cache.keys[0].shape[2]
+        self._resize(cache, have_rows if rows <= have_rows else max(rows, 2 * have_rows),
+                     have_slots if slots <= have_slots else max(slots, 2 * have_slots))
+
+    def _resize(self, cache: StaticCache, rows: int, slots: int) -> None:
+        """New zeroed buffers [rows, kv_heads, slots, hd] per layer, holding the cache's rows and slots
+        in use (a new cache: `rows` rows in use)."""
         attn = self.decoder.layers[0].self_attn
         kv_heads = getattr(attn, "num_key_value_heads", None) or self.config.num_key_value_heads
         weight = self.model.get_input_embeddings().weight
-        if not cache.keys:  # the first pass: exactly as large as it needs
-            new = lambda: weight.new_zeros(rows, kv_heads, slots, attn.head_dim)  # noqa: E731
-            cache.keys, cache.values = [new() for _ in range(self.num_layers)], [new() for _ in range(self.num_layers)]
+        if not cache.keys:
+            cache.keys, cache.values = [None] * self.num_layers, [None] * self.num_layers
             cache.rows = rows
-            return
-        have_rows, have_slots = cache.keys[0].shape[0], cache.keys[0].shape[2]
-        new_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
-        new_slots = have_slots if slots <= have_slots else max(slots, 2 * have_slots)
         R, S = cache.rows, cache.length
         for buffers in (cache.keys, cache.values):
             for i, old in enumerate(buffers):
-                buffers[i] = weight.new_zeros(new_rows, kv_heads, new_slots, attn.head_dim)
-                buffers[i][:R, :, :S] = old[:R, :, :S]
+                buffers[i] = weight.new_zeros(rows, kv_heads, slots, attn.head_dim)
+                if old is not None:
+                    buffers[i][:R, :, :S] = old[:R, :, :S]
 
     def select_rows(self, cache, rows: Tensor) -> None:
         """Keep only the batch rows `rows`, in that order, moved to the buffers' first rows."""

@@ -420,6 +420,7 @@ def main() -> int:
                             "slower than the offline engine of the headline table.")
     lines += _selector_ablation_section() + _vllm_parity_section()
     lines += _ablation_section() + _profile_section() + _batch_round_section() + _skip_path_section() + _sampling_ab_section()
+    lines += _cache_alloc_section()
     lines += _roofline_section() + _serve_section()
     lines += _train_memory_section() + _regen_section() + _embedded_chat_section()
     (ROOT / "docs" / "results.md").write_text("\n".join(lines))
@@ -1060,6 +1061,28 @@ def _sampling_ab_section() -> list[str]:
         rows += ["", f"One draw from a row of {draw['vocab']} (µs, interleaved, median of five): "
                  + ", ".join(f"`{w}` {us:.1f}" for w, us in draw["median_us"].items()) + "."]
     return [*head, "", *[f"- `{v}`: {SAMPLING_VARIANTS.get(v, v)}." for v in variants], "", *rows, ""]
+
+
+def _cache_alloc_section() -> list[str]:
+    """experiments/cache_alloc_ab.py: batch 1's cache buffers at the whole capacity against grown."""
+    data = _load("cache_alloc_ab.json")
+    if data is None:
+        return []
+    meta, load = data["meta"], data["meta"]["load"]
+    rows = ["| setting | buffers | tokens/s | against capacity | before the first round, ms a decode | "
+            "per repetition (tokens/s) |", "|---|---|---|---|---|---|"]
+    rows += [f"| {r['setting']} | {r['variant']} | {r['tokens_per_s']:.1f} | {r['ratio']:.3f}× | "
+             f"{r['before_first_round_ms']:.2f} | {', '.join(f'{x:.0f}' for x in r['per_repetition'])} |"
+             for r in data["rows"]]
+    return ["## Batch 1's cache buffers: the whole capacity, or grown", "",
+            f"`{meta['command'].strip()}` ({meta['date']}, {meta['cpu']}; load average {load['load_before']} before, "
+            f"other processes' CPU {load['other_cpu']} s per s): our plain decoding through one compiled StaticTarget "
+            f"(bfloat16 products), {meta['repetitions']} repetitions of {meta['prompts']} HumanEval prompts, 128 new "
+            "tokens, interleaved per prompt (the order reversed on odd repetitions). `capacity`: a cache's buffers as "
+            f"they were allocated before, {meta['capacity']} slots per layer's keys and values, zeroed on its first "
+            "pass; `grown`: the package's, twice the first pass's slots, doubled when a pass fills them (a profile of "
+            "decodes had put almost a third of the time before the first round in zeroing the whole capacity).", "",
+            *rows, ""]
 
 
 def _cprofile_lines() -> list[str]:
