@@ -19,6 +19,7 @@ from .loop import AutoregressiveDrafter, GenerationResult, ar_generate, spec_gen
 from .rng import RandomSource, TorchRandom
 from .registry import register_conv, register_selector
 from .sampling import SamplingParams
+from .sealed import SealedDrafts
 from .target import StaticTarget, TargetAdapter
 from .tree import TokenTree
 from .verify import Draft
@@ -27,7 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AutoregressiveDrafter", "BatchDrafter", "Candidates", "CheckedDrafter", "DFlash2Config", "DFlash2Drafter",
-    "Draft", "Drafter", "GenerationResult", "RandomSource", "SamplingParams", "Selector", "StaticTarget",
+    "Draft", "Drafter", "GenerationResult", "RandomSource", "SamplingParams", "SealedDrafts", "Selector", "StaticTarget",
     "TargetAdapter", "TokenTree", "TorchRandom", "TreeDrafter", "ar_generate", "ar_generate_batch", "load_embedded",
     "VerifyPolicy", "register_conv", "register_selector", "spec_generate", "spec_generate_batch",
 ]

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from .interfaces import CheckedDrafter, Drafter, TreeDrafter
+from .sealed import SealedDrafts
 from .target.adapter import TargetAdapter
 
 
@@ -133,14 +134,13 @@ def check_policy(policy) -> None:
 
 def apply_policy(policy, drafts: list, draft_s: float) -> list:
     """Each draft truncated to the width the policy picks (all of it without a policy): a path's first
-    tokens, a tree's first nodes."""
+    tokens, a tree's first nodes. The policy sees the drafts sealed (dflash2.sealed): their lengths and
+    confidences revealed as a stopping rule allows, never their tokens."""
     if policy is None:
         return drafts
-    widths = policy.widths(drafts, draft_s)
-    if len(widths) != len(drafts) or any(not 0 <= int(w) <= d.tokens.shape[0] for w, d in zip(widths, drafts)):
-        raise ValueError(f"the policy's widths {widths} do not fit the drafts' lengths "
-                         f"{[d.tokens.shape[0] for d in drafts]}")
-    return [d.truncate(int(w)) for d, w in zip(drafts, widths)]
+    view = SealedDrafts(drafts)
+    widths = view.check(policy.widths(view, draft_s))
+    return [d.truncate(w) for d, w in zip(drafts, widths)]
 
 
 def check_concurrency(concurrency) -> None:

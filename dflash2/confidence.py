@@ -131,6 +131,13 @@ class Calibrator:
         out = (a + self.prior_strength * c) / (n + self.prior_strength)
         return out.to(device=confidence.device, dtype=torch.promote_types(confidence.dtype, torch.float32))
 
+    def calibrate_at(self, t: int, confidence: float) -> float:
+        """calibrate() of one raw value at position t (a Python float: a policy reads them one at a time)."""
+        t = min(t, self.seen.shape[0] - 1)
+        b = min(int(min(max(confidence, 0.0), 1.0) * self.bins), self.bins - 1)
+        n, a = float(self.seen[t, b]), float(self.accepted[t, b])
+        return (a + self.prior_strength * confidence) / (n + self.prior_strength)
+
     def table(self) -> list[dict]:
         """One entry per (position, bin) that saw a token: predicted (mean raw c), observed (acceptance
         rate), count."""

@@ -23,9 +23,10 @@ proposal q they were drawn from, and a confidence per token where the drafter ha
 Confidence: `Draft.confidence` [L] is the one signal of how likely each drafted token is to survive
 verification: c_t = P(token t accepted | tokens < t accepted), so the chance that the first t tokens
 all survive is Π_{s<=t} c_s. A selector with a confidence head (DSpark's) fills it; a policy that
-decides how many tokens to verify reads it (`dflash2.confidence` turns it into survival curves, and
-estimates it from the lattice's scores where a drafter has no head). The verifier never reads it, so
-no value of it can change what is committed.
+decides how many tokens to verify reads it through `SealedDrafts`, one position at a time. c_t may
+read the context and tokens 0..t-1, never token t itself (DSpark's head reads the token before each
+position; `dflash2.confidence.lattice_confidence` reads token t's own probability, so it is never put
+here). The verifier never reads it, so no value of it can change what is committed.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from torch import Tensor
 
 from .heads import Candidates, RoundContext
 from .rng import RandomSource
+from .sealed import SealedDrafts
 from .tree import TokenTree
 from .verify import Draft
 
@@ -45,22 +47,23 @@ class VerifyPolicy(Protocol):
     """Sizes verification (path drafts and token trees). drafts: before a round, with `rows` rows in
     flight, whether to draft at all (False: a plain decoding step for every row; the drafter reads the
     skipped tokens' target features at its next round; neither widths nor observe is called for such a
-    round). widths: each row's draft and the round's drafting seconds so far (None for a generation's
-    first drafting round, which also reads the prompt's features) → how many of its tokens
-    (a tree: nodes) to verify, 0..len; the loop truncates a path to its first tokens, a tree to its
-    first nodes. observe: after verification, the draft as drafted, the number verified and the
-    indices of those accepted (a path: 0..a-1; a tree: the accepted nodes from the anchor down), for
-    online calibration.
+    round). widths: the round's drafts sealed (`SealedDrafts`: lengths, and confidences revealed only as
+    a stopping rule may read them) and its drafting seconds so far (None for a generation's first
+    drafting round, which also reads the prompt's features) → how many of each row's tokens (a tree:
+    nodes) to verify, from what it committed up to the row's length; the loop truncates a path to its
+    first tokens, a tree to its first nodes. observe: after verification, the draft as drafted, the
+    number verified and the indices of those accepted (a path: 0..a-1; a tree: the accepted nodes from
+    the anchor down), for online calibration.
 
-    The contract that keeps sampled output exact: whether token t is verified may depend on anything
-    but token t itself (the context, the tokens before it, other rows, past rounds, the confidences,
-    which are computed before token t is drawn). Deciding on token t's own value biases the output
-    (tests/test_policy.py has that mutant); at temperature 0 the draft is a function of the context,
-    and any width is lossless; so is a token tree's (its nodes are chosen, not drawn)."""
+    Why sealed: at T > 0 whether token t is verified must not depend on token t's value, and c_{t+1}
+    may read it (DSpark's head reads the token before each position). A policy sees no tokens, and
+    c_t only once it has committed to verify tokens 0..t-1, so every width it can return is a
+    stopping rule, lossless by construction (dflash2.sealed; tests/test_policy.py enumerates the
+    output distribution, and a global-argmax mutant is refused)."""
 
     def drafts(self, rows: int) -> bool: ...
 
-    def widths(self, drafts: list[Draft | TokenTree], draft_s: float | None) -> list[int]: ...
+    def widths(self, drafts: SealedDrafts, draft_s: float | None) -> list[int]: ...
 
     def observe(self, draft: Draft | TokenTree, verified: int, accepted: list[int]) -> None: ...
 
@@ -147,4 +150,5 @@ class Selector(Protocol):
         ...
 
 
-__all__ = ["BatchDrafter", "Candidates", "CheckedDrafter", "Draft", "Drafter", "RoundContext", "Selector", "TreeDrafter"]
+__all__ = ["BatchDrafter", "Candidates", "CheckedDrafter", "Draft", "Drafter", "RoundContext", "SealedDrafts", "Selector",
+           "TreeDrafter", "VerifyPolicy"]

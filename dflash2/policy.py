@@ -47,6 +47,7 @@ from typing import Callable
 import torch
 
 from .confidence import Calibrator, NodeRates, RoundCounts, survival
+from .sealed import SealedDrafts
 from .tree import TokenTree
 from .verify import Draft
 
@@ -266,8 +267,8 @@ class FixedWidth:
     def drafts(self, rows: int) -> bool:
         return True
 
-    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
-        return [d.tokens.shape[0] for d in drafts]
+    def widths(self, drafts: SealedDrafts, draft_s: float) -> list[int]:
+        return list(drafts.lengths)
 
     def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         pass
@@ -286,9 +287,9 @@ class _DraftTimer(FixedWidth):
     def __init__(self) -> None:
         self.seconds: list[tuple[int, float]] = []
 
-    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
-        if any(d.tokens.shape[0] for d in drafts) and draft_s is not None:
-            self.seconds.append((len(drafts), draft_s))
+    def widths(self, drafts: SealedDrafts, draft_s: float) -> list[int]:
+        if any(drafts.lengths) and draft_s is not None:
+            self.seconds.append((drafts.rows, draft_s))
         return super().widths(drafts, draft_s)
 
 
@@ -416,13 +417,14 @@ class GoodputPolicy:
         rates = (self.calibrator.accepted.sum(1) + m * UNKNOWN_CONFIDENCE) / (self.calibrator.seen.sum(1) + m)
         return torch.cumprod(rates, 0).tolist()
 
-    def _round_rate(self, curves: list[list[float]], draft_s: float) -> tuple[list[int], float]:
+    def _round_rate(self, curves: list[list[float]], draft_s: float,
+                    floor: list[int] | None = None) -> tuple[list[int], float]:
         """The widths for these curves (a row's expected accepted tokens at each width: the sum of its
-        first `width` values) and their expected committed tokens per second."""
+        first `width` values), at least `floor`, and their expected committed tokens per second."""
         rows = len(curves)
         fixed = draft_s + self.loop_cost(rows) + self.residual("draft", rows)
         choose = best_cap if self.padded or self.capped else best_widths
-        widths = choose(curves, lambda tokens: fixed + self.cost.verify_s(tokens))
+        widths = choose(curves, lambda tokens: fixed + self.cost.verify_s(tokens), floor)
         gain = rows + sum(sum(c[:w]) for c, w in zip(curves, widths))
         return widths, gain / max(fixed + self.cost.verify_s(self._pass_tokens(widths)), 1e-12)
 
@@ -575,29 +577,59 @@ class GoodputPolicy:
             self._probe_open = [rows, 0.0, rounds, probe_extra * rounds]
         return True
 
-    def widths(self, drafts: list[Draft], draft_s: float | None) -> list[int]:
-        for d in drafts:
-            self.check(d)
-        drafted = any(d.tokens.shape[0] for d in drafts)  # (else a skipped round, counted as SKIPPED)
+    def widths(self, drafts: SealedDrafts, draft_s: float | None) -> list[int]:
+        self.check(drafts)
+        rows = drafts.rows
+        drafted = any(drafts.lengths)  # (else a skipped round, counted as SKIPPED)
         timed = draft_s is not None  # (None: the round's drafting also read a prompt's features)
-        draft_s = draft_s if timed else self.draft_cost(len(drafts)) or 0.0
+        draft_s = draft_s if timed else self.draft_cost(rows) or 0.0
         sample = drafted and timed and not self._stale  # a drafting round timed alone
         if sample:  # its seconds join the window at its number of rows
-            window = self._draft_window.setdefault(len(drafts), deque(maxlen=DRAFT_WINDOW))
+            window = self._draft_window.setdefault(rows, deque(maxlen=DRAFT_WINDOW))
             window.append(draft_s)
-            self.draft_s[len(drafts)] = sorted(window)[(len(window) - 1) // 2]  # the lower median
+            self.draft_s[rows] = sorted(window)[(len(window) - 1) // 2]  # the lower median
             self._pays.clear()
         self._stale = self._stale and not drafted
         if self._probing:  # a round drafted to learn: every position it drafted is observed
             self._probing = False
-            widths = [d.tokens.shape[0] for d in drafts]
+            widths = list(drafts.lengths)
         else:
-            widths = self._round_rate(self.curves(drafts), draft_s)[0]
+            widths = self._stopping_widths(drafts, draft_s)
         if drafted:
             self.chosen.update(widths)
         if self._round is not None and self._round.kind == "draft":  # the round's model, when it is a sample
             self._round.modelled = self._drafting_model(draft_s, widths) if sample else None
         return widths
+
+    def _stopping_widths(self, drafts: SealedDrafts, draft_s: float) -> list[int]:
+        """The goodput widths as a stopping rule (dflash2.sealed): row r verifies its token t only if the
+        best widths, with its confidences up to t revealed and later positions at their expected rates,
+        reach past t. Rows without confidences are known whole: for them it is the best widths at once."""
+        lengths = drafts.lengths
+        if not any(drafts.has_confidence):
+            return self._round_rate(self.known_curves(lengths), draft_s)[0]
+        rows, longest = drafts.rows, max(lengths)
+        blind = self.calibrator.calibrate(torch.full((longest,), UNKNOWN_CONFIDENCE, dtype=torch.float64)).tolist()
+        expected = self.expected_rates(longest)
+        cond = [list((expected if sealed else blind)[:n]) for n, sealed in zip(lengths, drafts.has_confidence)]
+        done, plan = [False] * rows, None
+        for t in range(longest):
+            alive = [r for r in range(rows) if not done[r] and t < lengths[r]]
+            if not alive:
+                break
+            reveal = [r for r in alive if drafts.has_confidence[r]]
+            for r, c in zip(reveal, drafts.confidence(t, reveal)):
+                cond[r][t] = self.calibrator.calibrate_at(t, c)
+            if reveal or plan is None:
+                floor = [drafts.committed(r) for r in range(rows)]
+                curves = [list(accumulate(c[: f if d else len(c)], lambda x, y: x * y)) for c, f, d in zip(cond, floor, done)]
+                plan = self._round_rate(curves, draft_s, floor)[0]
+            for r in alive:
+                if plan[r] > t:
+                    drafts.commit([r], t + 1)
+                else:
+                    done[r] = True
+        return [drafts.committed(r) for r in range(rows)]
 
     def observe(self, draft: Draft, verified: int, accepted: list[int]) -> None:
         if verified:
@@ -605,27 +637,28 @@ class GoodputPolicy:
             self._pays.clear()
 
     # what a round's rows are expected to accept (TreeGoodputPolicy reads trees instead)
-    def check(self, draft) -> None:
-        if isinstance(draft, TokenTree):
+    def check(self, drafts: SealedDrafts) -> None:
+        if drafts.kind == "tree":
             raise ValueError("GoodputPolicy sizes path drafts; for verify='tree' use TreeGoodputPolicy")
 
-    def curve(self, draft: Draft) -> list[float]:
-        """[L] the survival of the draft's calibrated confidences: verifying its first n tokens accepts
-        the sum of the first n in expectation."""
-        return self.curves([draft])[0]
-
-    def curves(self, drafts: list[Draft]) -> list[list[float]]:
-        """curve() of every row's draft, calibrated in one go ([] for a row that drafted nothing)."""
-        lengths = [d.tokens.shape[0] for d in drafts]
+    def known_curves(self, lengths: tuple[int, ...]) -> list[list[float]]:
+        """[rows][L_r] the survival of calibrated confidences for drafts without them (each position read at
+        UNKNOWN_CONFIDENCE, so at its observed rate): verifying the first n accepts the sum of the first n."""
         if not any(lengths):
-            return [[] for _ in drafts]
-        raw = torch.nn.utils.rnn.pad_sequence([self._raw(d) for d in drafts], batch_first=True,
-                                              padding_value=UNKNOWN_CONFIDENCE)  # [rows, longest]
-        s = survival(self.calibrator.calibrate(raw)).tolist()
-        return [row[:n] for row, n in zip(s, lengths)]
+            return [[] for _ in lengths]
+        blind = self.calibrator.calibrate(torch.full((max(lengths),), UNKNOWN_CONFIDENCE, dtype=torch.float64))
+        s = survival(blind).tolist()
+        return [s[:n] for n in lengths]
+
+    def expected_rates(self, length: int) -> list[float]:
+        """[length] each position's observed acceptance rate (the prior UNKNOWN_CONFIDENCE until it has
+        seen about prior_strength tokens): what a confidence not revealed yet is expected to calibrate to."""
+        m = self.calibrator.prior_strength
+        rates = ((self.calibrator.accepted.sum(1) + m * UNKNOWN_CONFIDENCE) / (self.calibrator.seen.sum(1) + m)).tolist()
+        return [rates[min(t, len(rates) - 1)] for t in range(length)]
 
     def expected_curve(self) -> list[float]:
-        """[positions] what curve() expects of a round not drafted yet (drafts())."""
+        """[positions] what a round not drafted yet is expected to accept (drafts())."""
         return self.expected_survival()
 
     def hopeful_curve(self) -> list[float]:
@@ -654,14 +687,14 @@ class TreeGoodputPolicy(GoodputPolicy):
             raise ValueError(f"TreeGoodputPolicy(positions={positions}) needs NodeRates of as many nodes, got "
                              f"{self.rates.nodes}")
 
-    def check(self, draft) -> None:
-        if draft.tokens.shape[0] > self.positions:
-            raise ValueError(f"TreeGoodputPolicy(positions={self.positions}) got a draft of {draft.tokens.shape[0]} "
+    def check(self, drafts: SealedDrafts) -> None:
+        if max(drafts.lengths, default=0) > self.positions:
+            raise ValueError(f"TreeGoodputPolicy(positions={self.positions}) got a draft of {max(drafts.lengths)} "
                              "nodes: give it positions=tree_nodes")
 
-    def curves(self, drafts) -> list[list[float]]:
+    def known_curves(self, lengths) -> list[list[float]]:
         rates = self.rates.rate_list()
-        return [rates[: d.tokens.shape[0]] for d in drafts]
+        return [rates[:n] for n in lengths]
 
     def expected_curve(self) -> list[float]:
         return self.rates.rate_list()[: self.positions]
@@ -675,27 +708,31 @@ class TreeGoodputPolicy(GoodputPolicy):
             self._pays.clear()
 
 
-def best_widths(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
+def best_widths(curves: list[list[float]], round_s: Callable[[int], float], floor: list[int] | None = None) -> list[int]:
     """Survival curves (row r: s_r,1 >= s_r,2 >= ..., its drafted tokens) and the round's seconds as a
-    function of the tokens verified → the widths n_r maximising (Σ_r 1 + Σ_{t<=n_r} s_r,t) / round_s(Σ_r n_r + 1)."""
+    function of the tokens verified → the widths n_r >= floor[r] maximising
+    (Σ_r 1 + Σ_{t<=n_r} s_r,t) / round_s(Σ_r n_r + 1)."""
     rows = len(curves)
-    slots = sorted(((s, r, t) for r, curve in enumerate(curves) for t, s in enumerate(curve)),
+    floor = floor or [0] * rows
+    slots = sorted(((s, r, t) for r, curve in enumerate(curves) for t, s in enumerate(curve) if t >= floor[r]),
                    key=lambda slot: (-slot[0], slot[1], slot[2]))
-    gain, best = float(rows), float(rows) / max(round_s(rows), 1e-12)
-    counts, taken = [0] * rows, [0] * rows  # slots taken so far, and at the best total
+    counts = list(floor)  # slots taken so far, and at the best total
+    gain = rows + sum(sum(c[:f]) for c, f in zip(curves, floor))
+    base = rows + sum(floor)
+    best, taken = gain / max(round_s(base), 1e-12), list(counts)
     for k, (s, r, t) in enumerate(slots, start=1):
         if t != counts[r]:  # a slot before it in the same row is not taken yet: curves must not rise
             raise ValueError(f"survival curve of row {r} rises at position {t}")
         counts[r] += 1
         gain += s
-        rate = gain / max(round_s(rows + k), 1e-12)
+        rate = gain / max(round_s(base + k), 1e-12)
         if rate > best:
             best, taken = rate, list(counts)
     return taken
 
 
-def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list[int]:
-    """best_widths for a padded pass: the cap W maximising (Σ_r 1 + Σ_{t<=min(W, L_r)} s_r,t) /
+def best_cap(curves: list[list[float]], round_s: Callable[[int], float], floor: list[int] | None = None) -> list[int]:
+    """best_widths for a padded pass: the cap W >= max(floor) maximising (Σ_r 1 + Σ_{t<=min(W, L_r)} s_r,t) /
     round_s(rows × (W + 1)) → each row's width min(W, L_r)."""
     rows = len(curves)
     # identical curves (every row of a tree policy's expected round; rows of full trees) summed once
@@ -707,7 +744,8 @@ def best_cap(curves: list[list[float]], round_s: Callable[[int], float]) -> list
         sums += [sums[-1]] * (longest + 1 - len(sums))
         gains = [g + k * v for g, v in zip(gains, sums)]
     rates = [g / max(round_s(rows * (cap + 1)), 1e-12) for cap, g in enumerate(gains)]
-    best = max(range(longest + 1), key=rates.__getitem__)  # the first best: the narrowest on a tie
+    low = max(floor, default=0) if floor else 0
+    best = max(range(low, longest + 1), key=rates.__getitem__)  # the first best: the narrowest on a tie
     return [min(best, len(c)) for c in curves]
 
 

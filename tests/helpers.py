@@ -411,7 +411,7 @@ class DraftEvery:
         return self.round % self.n == 0
 
     def widths(self, drafts, draft_s):
-        return [d.tokens.shape[0] for d in drafts]
+        return list(drafts.lengths)
 
     def observe(self, draft, verified, accepted) -> None:
         pass

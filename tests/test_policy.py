@@ -21,6 +21,7 @@ from dflash2.loop import AutoregressiveDrafter
 from dflash2.policy import (QUIET_ROUNDS, ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth,
                             GoodputPolicy, TreeGoodputPolicy, best_cap, best_widths, hopeful, profile_draft)
 from dflash2.rng import TorchRandom
+from dflash2.sealed import SealedDrafts
 from dflash2.tree import TokenTree, verify_tree
 from dflash2.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
@@ -47,10 +48,10 @@ class ScriptedWidths:
         self.asked += 1
         return not skip
 
-    def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
+    def widths(self, drafts: SealedDrafts, draft_s: float) -> list[int]:
         w = self.script[self.round % len(self.script)]
         self.round += 1
-        return [min(w + i, d.tokens.shape[0]) for i, d in enumerate(drafts)]  # rows differ too
+        return [min(w + i, n) for i, n in enumerate(drafts.lengths)]  # rows differ too
 
     def observe(self, draft, verified: int, accepted: list[int]) -> None:
         assert verified <= draft.tokens.shape[0] and all(0 <= i < verified for i in accepted)
@@ -61,7 +62,8 @@ class ScriptedWidths:
 
 class PeekingPolicy(ScriptedWidths):
     """A mutant: verifies a draft only when its first token is the likelier of the proposal's candidates
-    (decides on that token's own value), else none of it."""
+    (decides on that token's own value), else none of it. SealedDrafts shows no tokens: it runs only where
+    the loop is made to hand the drafts over unsealed (`unsealed_drafts`)."""
 
     def widths(self, drafts: list[Draft], draft_s: float) -> list[int]:
         def likely(d: Draft) -> bool:
@@ -158,11 +160,11 @@ def test_goodput_widths_follow_cost_and_confidence():
     flat = CostModel(((1, 1.0), (64, 1.0)))  # a memory-bound pass: width is free
     steep = CostModel(((1, 1.0), (2, 3.0)))  # every token costs more than a pass
     policy = GoodputPolicy(flat, positions=6, calibrator=Calibrator(6, prior_strength=1e9))  # raw values as given
-    assert policy.widths([sure, unsure], draft_s=0.1) == [6, 6]
+    assert policy.widths(SealedDrafts([sure, unsure]), draft_s=0.1) == [6, 6]
     policy.cost = steep
-    assert policy.widths([sure, unsure], draft_s=0.1) == [0, 0]
+    assert policy.widths(SealedDrafts([sure, unsure]), draft_s=0.1) == [0, 0]
     policy.cost = CostModel(((1, 1.0), (2, 1.1)))
-    assert policy.widths([sure, unsure], draft_s=0.1) == [6, 0]
+    assert policy.widths(SealedDrafts([sure, unsure]), draft_s=0.1) == [6, 0]
 
 
 def test_goodput_learns_what_verification_accepts():
@@ -170,10 +172,10 @@ def test_goodput_learns_what_verification_accepts():
     first token is never accepted is not verified once the evidence is in."""
     policy = GoodputPolicy(CostModel(((1, 1.0), (2, 1.2))), positions=4)
     blind = Draft(torch.arange(4))
-    assert policy.widths([blind], 0.0)[0] > 0  # the prior (c = UNKNOWN_CONFIDENCE) pays at this cost
+    assert policy.widths(SealedDrafts([blind]), 0.0)[0] > 0  # the prior (c = UNKNOWN_CONFIDENCE) pays at this cost
     for _ in range(50):
         policy.observe(blind, 4, [])
-    assert policy.widths([blind], 0.0) == [0]
+    assert policy.widths(SealedDrafts([blind]), 0.0) == [0]
 
 
 def test_policies_are_checked():
@@ -190,7 +192,7 @@ def test_policies_are_checked():
 
     class TooWide(ScriptedWidths):
         def widths(self, drafts, draft_s):
-            return [d.tokens.shape[0] + 1 for d in drafts]
+            return [n + 1 for n in drafts.lengths]
 
     with pytest.raises(ValueError, match="do not fit the drafts' lengths"):
         spec_generate(drafter, target, torch.tensor([[3, 1]]), max_new_tokens=8, policy=TooWide([0]))
@@ -339,7 +341,7 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     blind = Draft(torch.arange(4))
     for _ in range(50):  # the loop's protocol: drafts(), then widths() and observe() when it drafted
         if policy.drafts(1):
-            [w] = policy.widths([blind], 0.0)
+            [w] = policy.widths(SealedDrafts([blind]), 0.0)
             policy.observe(blind, w, [])
     answers = policy.answers
     probes = [i for i, a in enumerate(answers) if a]
@@ -351,12 +353,12 @@ def test_goodput_stops_drafting_when_a_plain_step_pays_more_and_probes_within_it
     sure = Draft(torch.arange(4))
     for _ in range(20):
         if eager.drafts(1):
-            [w] = eager.widths([sure], 0.0)
+            [w] = eager.widths(SealedDrafts([sure]), 0.0)
             eager.observe(sure, w, list(range(w)))
     assert all(eager.answers)
     padded = CountedGoodput(cost, positions=4, padded=True, draft_time=0.5)  # the batched decision, per row count
     assert padded.draft_cost(3) is None and padded.drafts(3)  # nothing measured yet: draft and measure
-    assert padded.widths([blind] * 3, 0.0) == [4, 4, 4] and padded.draft_s == {3: 0.5}  # a probe: verified in full
+    assert padded.widths(SealedDrafts([blind] * 3), 0.0) == [4, 4, 4] and padded.draft_s == {3: 0.5}  # a probe: verified in full
     assert padded.draft_cost(2) == 0.5 and padded.draft_cost(6) == 1.0  # other row counts: estimated from it
 
 
@@ -386,7 +388,7 @@ def test_probes_keep_to_the_least_share_where_even_hope_loses(tree):
                                     draft_time=0.5, draft_s={1: 0.5})
         for _ in range(200):
             if policy.drafts(1):
-                [w] = policy.widths([blind], 0.0)
+                [w] = policy.widths(SealedDrafts([blind]), 0.0)
                 policy.observe(blind, w, [])
         return [i for i, a in enumerate(policy.answers) if a]
 
@@ -413,7 +415,7 @@ def test_hope_is_one_margin_on_a_rounds_tokens_not_one_per_node():
     blind = Draft(torch.arange(15))
     for _ in range(200):
         if policy.drafts(1):
-            [w] = policy.widths([blind], 0.0)
+            [w] = policy.widths(SealedDrafts([blind]), 0.0)
             policy.observe(blind, w, [])
     assert not any(policy.answers)
 
@@ -451,7 +453,7 @@ def _run_blind(policy, rounds: int, clock: list, probe_round_s) -> list[int]:
     blind = Draft(torch.arange(4))
     for _ in range(rounds):
         if policy.drafts(1):
-            [w] = policy.widths([blind], 0.0)
+            [w] = policy.widths(SealedDrafts([blind]), 0.0)
             policy.observe(blind, w, [])
             clock[0] += probe_round_s(policy)
         else:
@@ -543,7 +545,7 @@ def test_quiet_stretches_answer_as_the_full_calls_do(segments, slope, draft_time
                 answers.append(drafting)
                 if drafting:
                     drafts = [Draft(torch.arange(4))] * rows
-                    widths = policy.widths(drafts, draft_time)
+                    widths = policy.widths(SealedDrafts(drafts), draft_time)
                     for d, w in zip(drafts, widths):
                         policy.observe(d, w, list(range(min(w, accepted[k % len(accepted)]))))
                         k += 1
@@ -567,7 +569,7 @@ def test_quiet_stretches_leave_most_skipped_rounds_unjudged_and_keep_sampling_th
     blind = Draft(torch.arange(4))
     for _ in range(400):
         if policy.drafts(1):
-            [w] = policy.widths([blind], 0.5)
+            [w] = policy.widths(SealedDrafts([blind]), 0.5)
             policy.observe(blind, w, [])
             clock[0] += 3.9
         else:
@@ -634,7 +636,26 @@ def test_sampled_output_is_exact_under_the_goodput_policy():
     assert len(Recorded.seen) >= 2, f"the policy chose one width only ({Recorded.seen}): hollow"
 
 
-def test_a_policy_that_peeks_at_a_token_is_caught():
+def unsealed_drafts(monkeypatch):
+    """The loop hands a policy the drafts themselves (what SealedDrafts prevents)."""
+    import dflash2.checks
+
+    def apply(policy, drafts, draft_s):
+        return drafts if policy is None else [d.truncate(w) for d, w in zip(drafts, policy.widths(drafts, draft_s))]
+    monkeypatch.setattr(dflash2.checks, "apply_policy", apply)
+    for module in ("dflash2.loop", "dflash2.batch"):
+        monkeypatch.setattr(f"{module}.apply_policy", apply)
+
+
+def test_a_policy_cannot_see_tokens():
+    view = SealedDrafts([Draft(torch.arange(3))])
+    with pytest.raises(TypeError):  # not a list of drafts
+        PeekingPolicy([0]).widths(view, 0.0)
+    assert not any(hasattr(view, name) for name in ("tokens", "drafts", "q_ids", "q_probs"))
+
+
+def test_a_policy_that_peeks_at_a_token_is_caught(monkeypatch):
+    unsealed_drafts(monkeypatch)
     params = PARAMS["T0.7_topk2"]
     got = _distribution_with(lambda: PeekingPolicy([0]), "sampled_walk_sparse_q", params)
     assert max_abs_diff(got, ar_distribution(params)) > DETECT
@@ -667,7 +688,7 @@ def test_profile_draft_times_the_rounds_with_every_row(monkeypatch, rounds, expe
 
     def fake_batch(drafter, target, ids, policy, **_):  # what the loop hands the policy, round by round
         for n, seconds in rounds:
-            policy.widths([Draft(torch.arange(2))] * n, seconds)
+            policy.widths(SealedDrafts([Draft(torch.arange(2))] * n), seconds)
 
     monkeypatch.setattr(dflash2.batch, "spec_generate_batch", fake_batch)
     target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
@@ -697,7 +718,7 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     sure = Draft(torch.arange(4))
     for _ in range(1000):  # a probe after skips costs two drafts: after 400 plain seconds
         if wrong.drafts(1):
-            [w] = wrong.widths([sure], 0.0)
+            [w] = wrong.widths(SealedDrafts([sure]), 0.0)
             wrong.observe(sure, w, list(range(w)))
     assert not wrong.answers[0] and wrong.draft_s == {1: pytest.approx(0.1)} and all(wrong.answers[-100:])
     # a first measured round far slower than the prior (a compile of a new shape): drafting goes on
@@ -705,7 +726,7 @@ def test_profile_draft_measures_a_round_and_a_policy_given_it_does_not_probe_fir
     times = iter([100.0] + [0.1] * 50)
     for _ in range(30):
         if compiles.drafts(1):
-            [w] = GoodputPolicy.widths(compiles, [sure], next(times))
+            [w] = GoodputPolicy.widths(compiles, SealedDrafts([sure]), next(times))
             compiles.observe(sure, w, list(range(w)))
     assert all(compiles.answers) and compiles.draft_s == {1: pytest.approx(0.1)}
 
@@ -765,18 +786,18 @@ def test_tree_goodput_verifies_the_nodes_that_pay():
 
     tree = TokenTree(torch.tensor([5, 6, 7, 8, 9, 4]), torch.tensor([-1, -1, 0, 1, 2, 0]))
     policy = TreeGoodputPolicy(CostModel(((1, 1.0), (64, 1.0))), 6, draft_s={1: 0.0})
-    assert policy.drafts(1) and policy.widths([tree], 0.0) == [6]  # the prior: every node pays
+    assert policy.drafts(1) and policy.widths(SealedDrafts([tree]), 0.0) == [6]  # the prior: every node pays
     for k in range(40):
         policy.observe(tree, 6, [0, 2] if k % 10 else [1])
     rates = policy.rates.rates()
     assert rates[0] > 0.8 and rates[2] > 0.8 and rates[3] < 0.2 and rates[4] < 0.2
-    assert policy.widths([tree], 0.0) == [6]  # free width
+    assert policy.widths(SealedDrafts([tree]), 0.0) == [6]  # free width
     policy.cost = CostModel(((1, 1.0), (2, 1.25)))
-    assert policy.widths([tree], 0.0) == [3]
+    assert policy.widths(SealedDrafts([tree]), 0.0) == [3]
     policy.cost = CostModel(((1, 1.0), (2, 3.0)))
-    assert policy.widths([tree], 0.0) == [0]
+    assert policy.widths(SealedDrafts([tree]), 0.0) == [0]
     many = TreeGoodputPolicy(CostModel(((1, 1.0), (2, 1.05))), 6, rates=policy.rates, padded=True)
-    assert many.widths([tree, tree.truncate(2)], 0.0) == [3, 2]  # one cap of 3 nodes; the second tree has 2
+    assert many.widths(SealedDrafts([tree, tree.truncate(2)]), 0.0) == [3, 2]  # one cap of 3 nodes; the second tree has 2
     with pytest.raises(ValueError, match="distinct accepted nodes"):
         policy.observe(tree, 2, [0, 2])
     with pytest.raises(ValueError, match="NodeRates of as many nodes"):
@@ -792,7 +813,7 @@ def test_the_loops_own_time_counts_in_a_plain_step_and_a_drafting_round_alike():
         return GoodputPolicy(cost, 4, calibrator=Calibrator(4, prior_strength=1e9), draft_s={1: 0.5}, **loop)
     assert not policy().drafts(1)
     slow_loop = policy(loop_s={1: 3.0})
-    assert slow_loop.drafts(1) and slow_loop.widths([Draft(torch.arange(4))], 0.5) == [4]
+    assert slow_loop.drafts(1) and slow_loop.widths(SealedDrafts([Draft(torch.arange(4))]), 0.5) == [4]
     assert slow_loop.loop_cost(1) == 3.0 and slow_loop.loop_cost(2) == 6.0 and policy().loop_cost(3) == 0.0
 
 
@@ -802,7 +823,7 @@ def _run_rounds(policy, rounds: int, plain_s: float, draft_s, clock: list[float]
     sure = Draft(torch.arange(4))
     for _ in range(rounds):
         if policy.drafts(1):
-            [w] = GoodputPolicy.widths(policy, [sure], 0.1)
+            [w] = GoodputPolicy.widths(policy, SealedDrafts([sure]), 0.1)
             policy.observe(sure, w, list(range(w)))
             clock[0] += draft_s(w)
         else:
@@ -875,7 +896,7 @@ def test_a_draft_after_skipped_rounds_does_not_set_the_drafting_time():
         if policy.drafts(1):
             seconds = 10.0 if policy.answers[-2:-1] == [False] else 0.1  # after a skip: the backlog is read
             times.append(seconds)
-            [w] = GoodputPolicy.widths(policy, [sure], seconds)
+            [w] = GoodputPolicy.widths(policy, SealedDrafts([sure]), seconds)
             policy.observe(sure, w, list(range(w)))
     assert not policy.answers[0] and 10.0 in times and policy.draft_s == {1: pytest.approx(0.1)}
     assert all(policy.answers[-50:])  # drafting again, at the drafting time measured without the backlog
@@ -894,5 +915,5 @@ def test_a_generations_first_draft_is_not_timed():
     spec_generate(drafter, target, torch.tensor([[3, 1, 4, 1, 5]]), max_new_tokens=12, policy=policy)
     assert policy.times[0] is None and len(policy.times) >= 2 and all(t > 0 for t in policy.times[1:])
     timed = GoodputPolicy(CostModel(((1, 1.0),)), 3, draft_s={1: 0.5})
-    timed.widths([Draft(torch.arange(3))], None)
+    timed.widths(SealedDrafts([Draft(torch.arange(3))]), None)
     assert timed.draft_s == {1: 0.5}  # an untimed round leaves the drafting time as it was
