@@ -128,7 +128,7 @@ class DFlash2Config:
                         f"0..{self.num_target_layers - 1}")
         _check(len(set(self.target_layer_ids)) == len(self.target_layer_ids),
                f"target_layer_ids has duplicates: {list(self.target_layer_ids)}")
-        from .registry import CONVS, SELECTORS  # built-in or registered names (ValueError naming the known ones)
+        from dflash2.registry import CONVS, SELECTORS  # built-in or registered names (ValueError naming the known ones)
 
         CONVS.factory(self.conv)
         if self.conv == "two_tap":

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import torch
 
-from . import embedded
-from .checks import from_pretrained, looks_like_hub_id
-from .config import DFlash2Config
-from .drafter import DFlash2Drafter
-from .loop import ar_generate, spec_generate
-from .overrides import load_yaml_with_overrides
-from .sampling import SamplingParams
+from dflash2 import embedded
+from dflash2.decoding.checks import from_pretrained, looks_like_hub_id
+from dflash2.config import DFlash2Config
+from dflash2.drafter.model import DFlash2Drafter
+from dflash2.decoding.loop import ar_generate, spec_generate
+from dflash2.overrides import load_yaml_with_overrides
+from dflash2.decoding.sampling import SamplingParams
 
 GREEN, RESET = "\033[32m", "\033[0m"
 COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
@@ -49,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dflash2.generate", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
-    p.add_argument("--target", help="HF causal LM: local directory or hub id (needs --drafter)")
+    p.add_argument("--target", help="HF causal LM: local directory, hub id, a .gguf file or 'smollm2' "
+                                    "(SmolLM2-135M-Instruct from PyPI; needs --drafter)")
     p.add_argument("--drafter", help="drafter directory (ours or the published format) or hub id (needs --target)")
     p.add_argument("--variant", choices=embedded.VARIANTS, default="dflash2", help="embedded drafter to run")
     p.add_argument("--selector", help="path selector: walk, viterbi, argmax, a registered name or 'package.module:Name' "
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         if where and not Path(where).expanduser().is_dir() and not looks_like_hub_id(where):
             raise UsageError(f"--{flag} {where}: no such directory (and not a hub id of the form owner/name)")
     if args.selector is not None:
-        from .registry import SELECTORS
+        from dflash2.registry import SELECTORS
 
         SELECTORS.factory(args.selector)  # an unknown name fails here, before any model loads
     if args.dry_run:
@@ -229,11 +230,13 @@ def random_demo_pair(args, dtype: torch.dtype):
 def load_real_pair(args, dtype: torch.dtype | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash2.targets.gguf import resolve_target
+
     drafter = DFlash2Drafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-    target = from_pretrained(AutoModelForCausalLM.from_pretrained, args.target,
-                             dtype=dtype or drafter.backbone.fc.weight.dtype)
+    name = resolve_target(args.target)  # "smollm2" and .gguf files: their dequantized directory
+    target = from_pretrained(AutoModelForCausalLM.from_pretrained, name, dtype=dtype or drafter.backbone.fc.weight.dtype)
     target = target.to(args.device).eval()
-    tokenizer = from_pretrained(AutoTokenizer.from_pretrained, args.target)
+    tokenizer = from_pretrained(AutoTokenizer.from_pretrained, name)
     trained_on = chat_training_data(args.drafter)
     if trained_on and not args.chat:
         print(f"note: this drafter was trained on chat conversations ({trained_on}), and without --chat the "

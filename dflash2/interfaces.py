@@ -25,7 +25,7 @@ verification: c_t = P(token t accepted | tokens < t accepted), so the chance tha
 all survive is Π_{s<=t} c_s. A selector with a confidence head (DSpark's) fills it; a policy that
 decides how many tokens to verify reads it through `SealedDrafts`, one position at a time. c_t may
 read the context and tokens 0..t-1, never token t itself (DSpark's head reads the token before each
-position; `dflash2.confidence.lattice_confidence` reads token t's own probability, so it is never put
+position; `dflash2.policy.confidence.lattice_confidence` reads token t's own probability, so it is never put
 here). The verifier never reads it, so no value of it can change what is committed.
 """
 
@@ -35,11 +35,11 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from .heads import Candidates, RoundContext
-from .rng import RandomSource
-from .sealed import SealedDrafts
-from .tree import TokenTree
-from .verify import Draft
+from dflash2.drafter.heads import Candidates, RoundContext
+from dflash2.decoding.rng import RandomSource
+from dflash2.decoding.sealed import SealedDrafts
+from dflash2.decoding.tree import TokenTree
+from dflash2.decoding.verify import Draft
 
 
 @runtime_checkable
@@ -58,7 +58,7 @@ class VerifyPolicy(Protocol):
     Why sealed: at T > 0 whether token t is verified must not depend on token t's value, and c_{t+1}
     may read it (DSpark's head reads the token before each position). A policy sees no tokens, and
     c_t only once it has committed to verify tokens 0..t-1, so every width it can return is a
-    stopping rule, lossless by construction (dflash2.sealed; tests/test_policy.py enumerates the
+    stopping rule, lossless by construction (dflash2.decoding.sealed; tests/test_policy.py enumerates the
     output distribution, and a global-argmax mutant is refused)."""
 
     def drafts(self, rows: int) -> bool: ...
@@ -130,7 +130,7 @@ class Selector(Protocol):
 
     Built by `factory(config)` from its registered name. Missing `select_batch` defaults to the rows one
     by one through `__call__` at T = 0, missing `trains_on_candidates` and `reads_context` to False; a missing `lattice` is
-    refused when a token tree needs it (`dflash2.selector.complete_selector`)."""
+    refused when a token tree needs it (`dflash2.drafter.selectors.contract.complete_selector`)."""
 
     trains_on_candidates: bool  # True: the training loss scores its candidates with `edge_scores(prev, hidden, cand)`,
     #                             or, when the selector has no edge_scores, along the gold path of its `lattice`

@@ -14,7 +14,7 @@ registered under that name, so a config file or a saved drafter can name a selec
 researcher's own package. A factory is called with the drafter's DFlash2Config and returns the piece:
 for a selector, an object with the members of `dflash2.interfaces.Selector` (checked when it is built:
 docs/architecture.md, "Extending"); for a convolution, an nn.Module `conv(h, sublayer, rows)` around
-one sublayer (`dflash2.conv`: built twice per layer, before the attention and before the MLP).
+one sublayer (`dflash2.drafter.conv`: built twice per layer, before the attention and before the MLP).
 """
 
 from __future__ import annotations
@@ -97,13 +97,14 @@ def _qualname(obj: Any) -> str:
 
 
 def _check_selector(selector: Any, name: str) -> Any:
-    from .selector import complete_selector
+    from dflash2.drafter.selectors.contract import complete_selector
 
     return complete_selector(selector, name)
 
 
-SELECTORS = Registry("selector", ("dflash2.selector", "dflash2.dspark", "dflash2.lilicorr"), _check_selector)
-CONVS = Registry("conv", ("dflash2.conv",))
+SELECTORS = Registry("selector", ("dflash2.drafter.selectors.codebook", "dflash2.drafter.selectors.dspark",
+                                  "dflash2.drafter.selectors.lilicorr"), _check_selector)
+CONVS = Registry("conv", ("dflash2.drafter.conv",))
 
 
 def register_selector(name: str, factory: F | None = None, *, replace: bool = False):

@@ -28,12 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
-from dflash2.batch import ar_generate_batch, left_pad, spec_generate_batch  # noqa: E402
+from dflash2.decoding.batch import ar_generate_batch, left_pad, spec_generate_batch  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.target.fused import PRODUCT_ATTENTION_UP_TO  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.targets.fused import PRODUCT_ATTENTION_UP_TO  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 VARIANTS = {"products": PRODUCT_ATTENTION_UP_TO, "sdpa": 0}  # passes of at most this many tokens by products
 

@@ -31,14 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import dflash2.batch as batch  # noqa: E402
+import dflash2.decoding.batch as batch  # noqa: E402
 import dflash2.drafter as drafter_module  # noqa: E402
 from dflash2 import load_embedded  # noqa: E402
-from dflash2.batch import ar_generate_batch, left_pad, spec_generate_batch  # noqa: E402
+from dflash2.decoding.batch import ar_generate_batch, left_pad, spec_generate_batch  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 # label → (owner attribute path, function name); nested labels are parts of the one above them
 STAGES = [

@@ -33,7 +33,7 @@ from dflash2 import ar_generate, load_embedded  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.target.static import StaticCache, StaticTarget  # noqa: E402
+from dflash2.targets.static import StaticCache, StaticTarget  # noqa: E402
 
 
 def reserve_capacity(self: StaticTarget, cache: StaticCache, slots: int) -> None:

@@ -44,9 +44,9 @@ def worker(repo: Path, case: str, prompts: int, single: int) -> dict:
     import torch
 
     from dflash2 import ar_generate, load_embedded, spec_generate
-    from dflash2.batch import ar_generate_batch, left_pad, spec_generate_batch
+    from dflash2.decoding.batch import ar_generate_batch, left_pad, spec_generate_batch
     from dflash2.bench.prompts import load_prompts
-    from dflash2.target.static import StaticTarget
+    from dflash2.targets.static import StaticTarget
 
     tok, target, drafter = load_embedded("dflash2")
     target, drafter = target.float(), drafter.to(torch.bfloat16)

@@ -34,8 +34,8 @@ from dflash2.bench.prompts import load_prompts  # noqa: E402
 SHARES = {  # label: (file suffix, function name, use cumulative time)
     "matrix products (torch linear)": ("~", "<built-in method torch._C._nn.linear>", False),
     "attention (SDPA)": ("~", "<built-in method torch._C._nn.scaled_dot_product_attention>", False),
-    "target forward (cumulative)": ("dflash2/target/adapter.py", "forward", True),
-    "drafter propose (cumulative)": ("dflash2/drafter.py", "propose", True),
+    "target forward (cumulative)": ("dflash2/targets/adapter.py", "forward", True),
+    "drafter propose (cumulative)": ("dflash2/drafter/model.py", "propose", True),
     "nn.Module call bookkeeping": ("torch/nn/modules/module.py", "_call_impl", False),
     "nn.Module attribute lookups": ("torch/nn/modules/module.py", "__getattr__", False),
 }

@@ -30,11 +30,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402
-from dflash2.batch import ar_generate_batch, left_pad  # noqa: E402
+from dflash2.decoding.batch import ar_generate_batch, left_pad  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 GEMMS = ("aten", "inductor")
 

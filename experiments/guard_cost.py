@@ -22,11 +22,11 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash2 import ar_generate, load_embedded  # noqa: E402
-from dflash2.batch import ar_generate_batch, left_pad  # noqa: E402
+from dflash2.decoding.batch import ar_generate_batch, left_pad  # noqa: E402
 from dflash2.bench.prompts import load_prompt_set  # noqa: E402
 from dflash2.bench.run import Prompter  # noqa: E402
-from dflash2.layers import compile_own  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.compile import compile_own  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 
 def lookup_us(fn) -> float:

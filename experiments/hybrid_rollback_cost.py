@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash2 import TargetAdapter  # noqa: E402
-from dflash2.target.adapter import _snapshot  # noqa: E402
+from dflash2.targets.adapter import _snapshot  # noqa: E402
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dflash2 import load_embedded, spec_generate  # noqa: E402
 from dflash2.bench.methods import _Policies  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 
 @torch.no_grad()

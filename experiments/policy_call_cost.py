@@ -51,10 +51,10 @@ def in_loop(rows: int = 8, settle: int = 3) -> dict:
     sampled (T = 1, top-k 20, top-p 0.95), with the bench's adaptive 15-node tree policy (bfloat16
     products and drafter), settled over `settle` decodes first."""
     from dflash2 import load_embedded, spec_generate_batch
-    from dflash2.batch import left_pad
+    from dflash2.decoding.batch import left_pad
     from dflash2.bench.methods import _Policies
     from dflash2.bench.prompts import load_prompts
-    from dflash2.target.static import StaticTarget
+    from dflash2.targets.static import StaticTarget
 
     tok, target, drafter = load_embedded()
     d = drafter.with_config(block_size=16).to(torch.bfloat16)

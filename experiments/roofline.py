@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash2 import StaticTarget, TargetAdapter
-from dflash2.target.fused import Linear
+from dflash2.targets.fused import Linear
 from dflash2.embedded import load_embedded
 
 

@@ -32,19 +32,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import dflash2.batch  # noqa: E402
-import dflash2.round  # noqa: E402
-import dflash2.sampling  # noqa: E402
-import dflash2.tree  # noqa: E402
-import dflash2.verify  # noqa: E402
+import dflash2.decoding.batch  # noqa: E402
+import dflash2.decoding.round  # noqa: E402
+import dflash2.decoding.sampling  # noqa: E402
+import dflash2.decoding.tree  # noqa: E402
+import dflash2.decoding.verify  # noqa: E402
 from dflash2 import ar_generate, ar_generate_batch, load_embedded  # noqa: E402
-from dflash2.batch import left_pad  # noqa: E402
+from dflash2.decoding.batch import left_pad  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.rng import TorchRandom  # noqa: E402
-from dflash2.sampling import SamplingParams  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.decoding.rng import TorchRandom  # noqa: E402
+from dflash2.decoding.sampling import SamplingParams  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 
 def process_logits_before(logits, params):
@@ -99,11 +99,11 @@ def process_logits_columns(logits, params):
 VARIANTS = {  # name: (process_logits, TorchRandom.categorical, whether the batched step draws its rows in one go)
     "sort": (process_logits_before, categorical_before, False),
     "columns": (process_logits_columns, TorchRandom.categorical, False),
-    "now": (dflash2.sampling.process_logits, TorchRandom.categorical, True),
+    "now": (dflash2.decoding.sampling.process_logits, TorchRandom.categorical, True),
 }
 
 
-CALLERS = (dflash2.batch, dflash2.round, dflash2.tree, dflash2.verify)
+CALLERS = (dflash2.decoding.batch, dflash2.decoding.round, dflash2.decoding.tree, dflash2.decoding.verify)
 
 
 @contextmanager
@@ -114,7 +114,7 @@ def sampling(which: str):
     for m in CALLERS:
         m.process_logits = process
     TorchRandom.categorical = categorical
-    if not rows_at_once:  # dflash2.rng.categorical_rows then asks the source row by row
+    if not rows_at_once:  # dflash2.decoding.rng.categorical_rows then asks the source row by row
         del TorchRandom.categorical_rows
     try:
         yield

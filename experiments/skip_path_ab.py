@@ -31,14 +31,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dflash2 import ar_generate, ar_generate_batch, load_embedded, spec_generate, spec_generate_batch  # noqa: E402
-from dflash2.batch import left_pad  # noqa: E402
+from dflash2.decoding.batch import left_pad  # noqa: E402
 from dflash2.bench.config import cpu_description  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.methods import _Policies  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.loop import AutoregressiveDrafter  # noqa: E402
-from dflash2.policy import _NeverDraft  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.decoding.loop import AutoregressiveDrafter  # noqa: E402
+from dflash2.policy.cost import _NeverDraft  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 
 @torch.no_grad()

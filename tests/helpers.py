@@ -14,7 +14,7 @@ import transformers
 from torch import Tensor
 
 from dflash2 import Draft, RandomSource, TargetAdapter
-from dflash2.target.adapter import HYBRID_MIN_TRANSFORMERS, transformers_version
+from dflash2.targets.adapter import HYBRID_MIN_TRANSFORMERS, transformers_version
 
 VOCAB = 48
 # torch.compile's CPU backend builds C++: tests that compile need a compiler (CXX, or g++)
@@ -238,7 +238,7 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
 
 
-# -- stub drafters (the Drafter protocol of dflash2.loop) -------------------------------------------
+# -- stub drafters (the Drafter protocol of dflash2.decoding.loop) -------------------------------------------
 class StubDrafter:
     """Drafts with a function (anchor, position) → list of L tokens; deterministic path.
 
@@ -298,7 +298,7 @@ class TreeStubDrafter(StubDrafter):
         self.paths_fn = paths_fn
 
     def propose_tree(self, cache, anchor, new_features, target: TargetAdapter, max_nodes: int, max_depth: int):
-        from dflash2.tree import TokenTree
+        from dflash2.decoding.tree import TokenTree
 
         cache["position"] += new_features.shape[1]
         depth = min(max_depth, self.block_size - 1)

@@ -17,9 +17,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, TargetAdapter, ar_generate_batch, spec_generate, spec_generate_batch
-from dflash2.batch import PREFILL_PADDING, left_pad, prefill_groups
-from dflash2.sampling import process_logits
-from dflash2.target.static import StaticTarget
+from dflash2.decoding.batch import PREFILL_PADDING, left_pad, prefill_groups
+from dflash2.decoding.sampling import process_logits
+from dflash2.targets.static import StaticTarget
 from tests.helpers import (ARCHITECTURES, HYBRID_ARCHITECTURES, VOCAB, DraftEvery, enumerate_outcomes,
                            exact_ar_distribution, hf_greedy, max_abs_diff, needs_hybrid_transformers,
                            oracle_tree_drafter, perturb_selector, tiny_drafter, tiny_target)
@@ -258,7 +258,7 @@ def test_batches_refused_on_hybrid_targets():
 def test_propose_batch_equals_propose_per_row(selector):
     """The drafter's batched pass (the rows' contexts in one ContextBatch, masked) drafts what each row drafts alone."""
     from dflash2 import TorchRandom
-    from dflash2.drafter import DFlash2Drafter
+    from dflash2.drafter.model import DFlash2Drafter
 
     target = tiny_target("llama")
     torch.manual_seed(5)
@@ -359,7 +359,7 @@ def test_batched_trees_accept_past_their_first_path():
 def test_propose_tree_batch_equals_propose_tree_per_row(selector):
     """The drafter's batched tree pass builds, per row, the tree that row builds alone, down to each
     row's own depth limit."""
-    from dflash2.drafter import DFlash2Drafter
+    from dflash2.drafter.model import DFlash2Drafter
 
     target = tiny_target("llama")
     torch.manual_seed(5)

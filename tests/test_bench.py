@@ -174,7 +174,7 @@ def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
     compiled step is tested in tests/test_static_target.py); greedy, the _static rows commit the same
     tokens as the hf rows, so τ and counts agree, and every drafting row's outputs equal our plain
     decoding's through its own step (same_outputs_as_plain, the bench's losslessness check)."""
-    import dflash2.target.static as static_target
+    import dflash2.targets.static as static_target
 
     original = static_target.StaticTarget.__init__
     made = []

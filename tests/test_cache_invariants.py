@@ -93,7 +93,7 @@ def test_target_cache_appends_in_place_and_survives_crops_and_row_changes():
     equal to a plain concatenating cache fed the same operations (float64)."""
     from transformers import DynamicCache
 
-    from dflash2.target.cache import GrowingLayer
+    from dflash2.targets.cache import GrowingLayer
 
     target = tiny_target("qwen3")
     adapter = TargetAdapter(target)

@@ -1,4 +1,4 @@
-"""dflash2.confidence: survival curves, the walk's own estimate, and online calibration."""
+"""dflash2.policy.confidence: survival curves, the walk's own estimate, and online calibration."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dflash2.confidence import Calibrator, expected_accepted, lattice_confidence, survival
-from dflash2.rng import TorchRandom
-from dflash2.selector import walk
+from dflash2.policy.confidence import Calibrator, expected_accepted, lattice_confidence, survival
+from dflash2.decoding.rng import TorchRandom
+from dflash2.drafter.selectors.codebook import walk
 
 
 def test_survival_and_expected_accepted_by_hand():

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate, spec_generate_batch
-from dflash2.draft_vocab import count_tokens, coverage, load_counts, most_frequent, save_counts
+from dflash2.drafter.draft_vocab import count_tokens, coverage, load_counts, most_frequent, save_counts
 from tests.helpers import VOCAB, hf_greedy, tiny_target
 
 

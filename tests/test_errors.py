@@ -112,21 +112,21 @@ def test_recurrent_targets_without_rollback_are_refused_clearly():
 def test_hybrid_targets_on_too_old_transformers_are_refused_clearly(monkeypatch):
     """Releases before HYBRID_MIN_TRANSFORMERS fail inside Qwen3.5 or decode wrong tokens after a rollback
     (measured: 5.3.0, 5.5.4, 5.6.2): the adapter names the release needed instead; attention-only targets run."""
-    import dflash2.target.adapter
+    import dflash2.targets.adapter
     from tests.helpers import HYBRID_ARCHITECTURES
 
     hybrid = tiny_target(HYBRID_ARCHITECTURES[0])
-    monkeypatch.setattr(dflash2.target.adapter, "transformers_version", lambda: (5, 6))
+    monkeypatch.setattr(dflash2.targets.adapter, "transformers_version", lambda: (5, 6))
     with pytest.raises(NotImplementedError, match=r"transformers >= 5\.7"):
         ar_generate(hybrid, PROMPT, max_new_tokens=2)
     assert ar_generate(tiny_target("qwen3"), PROMPT, max_new_tokens=2).new_tokens.numel() == 2
-    monkeypatch.setattr(dflash2.target.adapter, "transformers_version", lambda: (5, 7))
-    assert dflash2.target.adapter.TargetAdapter(hybrid).hybrid
+    monkeypatch.setattr(dflash2.targets.adapter, "transformers_version", lambda: (5, 7))
+    assert dflash2.targets.adapter.TargetAdapter(hybrid).hybrid
 
 
 def test_transformers_version_parses_release_names(monkeypatch):
-    import dflash2.target.adapter
+    import dflash2.targets.adapter
 
     for name, want in (("5.7.0", (5, 7)), ("5.24.0.dev0", (5, 24)), ("5.10rc1", (5, 10)), ("6.0.0", (6, 0))):
-        monkeypatch.setattr(dflash2.target.adapter.transformers, "__version__", name)
-        assert dflash2.target.adapter.transformers_version() == want
+        monkeypatch.setattr(dflash2.targets.adapter.transformers, "__version__", name)
+        assert dflash2.targets.adapter.transformers_version() == want

@@ -14,10 +14,10 @@ import functools
 import pytest
 import torch
 
-import dflash2.verify as verify_mod
+import dflash2.decoding.verify as verify_mod
 from dflash2 import DFlash2Drafter, Draft, SamplingParams, spec_generate
-from dflash2.sampling import process_logits
-from dflash2.verify import Verdict
+from dflash2.decoding.sampling import process_logits
+from dflash2.decoding.verify import Verdict
 from tests.helpers import (StubDrafter, constant_drafter, enumerate_outcomes, exact_ar_distribution, max_abs_diff,
                            tiny_drafter, tiny_target)
 

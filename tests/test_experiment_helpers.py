@@ -71,8 +71,8 @@ def test_sampling_analysis_acceptance_of_each_q():
     distribution, no q above the ceiling (p̃'s mass on the candidates), and the expected commit of a round."""
     import torch
 
-    from dflash2.sampling import SamplingParams
-    from dflash2.verify import Draft
+    from dflash2.decoding.sampling import SamplingParams
+    from dflash2.decoding.verify import Draft
 
     sa = _load("experiments/embedded/sampling_analysis.py")
     q = torch.tensor([[0.7, 0.2, 0.1], [0.5, 0.5, 0.0]], dtype=torch.float64)

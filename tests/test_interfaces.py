@@ -8,7 +8,7 @@ import torch
 
 import dflash2
 from dflash2 import Draft, SamplingParams, spec_generate, spec_generate_batch
-from dflash2.sampling import process_logits
+from dflash2.decoding.sampling import process_logits
 from tests.helpers import enumerate_outcomes, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target
 
 

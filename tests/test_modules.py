@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 
 from dflash2 import DFlash2Drafter, TargetAdapter, TorchRandom
 from dflash2.config import default_target_layer_ids
-from dflash2.conv import TwoTapDynamicConv
-from dflash2.heads import CandidateHead
-from dflash2.selector import ViterbiSelector, viterbi_path
+from dflash2.drafter.conv import TwoTapDynamicConv
+from dflash2.drafter.heads import CandidateHead
+from dflash2.drafter.selectors.codebook import ViterbiSelector, viterbi_path
 from dflash2.layers import SwiGLU
 from tests.helpers import HAS_CXX_COMPILER, MASK, tiny_target
 
@@ -607,7 +607,7 @@ def test_compile_own_keeps_each_instances_graphs_apart():
     method does."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from dflash2.layers import compile_own
+    from dflash2.compile import compile_own
 
     class Step:
         def __init__(self, double: bool) -> None:

@@ -8,9 +8,9 @@ import functools
 import pytest
 import torch
 
-import dflash2.verify as verify_mod
+import dflash2.decoding.verify as verify_mod
 from dflash2 import DFlash2Drafter, SamplingParams, spec_generate
-from dflash2.sampling import process_logits
+from dflash2.decoding.sampling import process_logits
 from tests.helpers import exact_ar_distribution, tiny_target
 from tests.test_exact_distribution import typical_acceptance
 

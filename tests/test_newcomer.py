@@ -129,7 +129,7 @@ def test_offline_hub_ids_are_named_with_why(tmp_path):
 
 
 def test_hub_failure_reads_the_wrapped_error():
-    from dflash2.checks import hub_failure
+    from dflash2.decoding.checks import hub_failure
 
     try:
         try:

@@ -16,14 +16,14 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from dflash2 import SamplingParams, VerifyPolicy, spec_generate, spec_generate_batch
-from dflash2.confidence import Calibrator, NodeRates, RoundCounts
-from dflash2.loop import AutoregressiveDrafter
+from dflash2.policy.confidence import Calibrator, NodeRates, RoundCounts
+from dflash2.decoding.loop import AutoregressiveDrafter
 from dflash2.policy import (QUIET_ROUNDS, ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, CostModel, FixedWidth,
                             GoodputPolicy, TreeGoodputPolicy, best_cap, best_widths, hopeful, profile_draft)
-from dflash2.rng import TorchRandom
-from dflash2.sealed import SealedDrafts
-from dflash2.tree import TokenTree, verify_tree
-from dflash2.verify import Draft
+from dflash2.decoding.rng import TorchRandom
+from dflash2.decoding.sealed import SealedDrafts
+from dflash2.decoding.tree import TokenTree, verify_tree
+from dflash2.decoding.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
 from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
 from tests.test_tree_loop import DRAFTERS as TREE_DRAFTERS
@@ -638,12 +638,12 @@ def test_sampled_output_is_exact_under_the_goodput_policy():
 
 def unsealed_drafts(monkeypatch):
     """The loop hands a policy the drafts themselves (what SealedDrafts prevents)."""
-    import dflash2.checks
+    import dflash2.decoding.checks
 
     def apply(policy, drafts, draft_s):
         return drafts if policy is None else [d.truncate(w) for d, w in zip(drafts, policy.widths(drafts, draft_s))]
-    monkeypatch.setattr(dflash2.checks, "apply_policy", apply)
-    for module in ("dflash2.loop", "dflash2.batch"):
+    monkeypatch.setattr(dflash2.decoding.checks, "apply_policy", apply)
+    for module in ("dflash2.decoding.loop", "dflash2.decoding.batch"):
         monkeypatch.setattr(f"{module}.apply_policy", apply)
 
 
@@ -684,13 +684,13 @@ def test_profile_draft_times_the_rounds_with_every_row(monkeypatch, rounds, expe
     """Rows that accept more finish first: the last rounds of profile_draft's batch draft a few rows
     and took a fraction of a full round (on the embedded pair 4.6 ms against 25 ms at 32 rows), which
     as the prior made drafting look five times cheaper than it is."""
-    import dflash2.batch
+    import dflash2.policy.cost
 
     def fake_batch(drafter, target, ids, policy, **_):  # what the loop hands the policy, round by round
         for n, seconds in rounds:
             policy.widths(SealedDrafts([Draft(torch.arange(2))] * n), seconds)
 
-    monkeypatch.setattr(dflash2.batch, "spec_generate_batch", fake_batch)
+    monkeypatch.setattr(dflash2.policy.cost, "spec_generate_batch", fake_batch)
     target, drafter = tiny_target("qwen3"), tiny_drafter("qwen3", 4)
     assert profile_draft(drafter, target, rows=3, context=8) == pytest.approx(expected)
 

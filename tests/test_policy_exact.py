@@ -17,10 +17,10 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import DFlash2Drafter, spec_generate, spec_generate_batch
-from dflash2.confidence import Calibrator, survival
+from dflash2.policy.confidence import Calibrator, survival
 from dflash2.policy import CostModel, GoodputPolicy, TreeGoodputPolicy, best_cap, best_widths
-from dflash2.sampling import process_logits, SamplingParams
-from dflash2.sealed import SealedDrafts
+from dflash2.decoding.sampling import process_logits, SamplingParams
+from dflash2.decoding.sealed import SealedDrafts
 from tests.helpers import enumerate_outcomes, exact_ar_distribution, max_abs_diff
 
 V, PROMPT, N_NEW, BLOCK, X, K = 3, [1, 2, 0, 2], 4, 3, 1, 2
@@ -195,7 +195,7 @@ def test_the_mutant_is_caught_at_batch_1_and_in_the_padded_batch(monkeypatch, ba
 
 # -- the seal itself ---------------------------------------------------------------------------------
 def test_the_seal_reveals_a_confidence_only_after_the_tokens_before_it_are_committed():
-    from dflash2.verify import Draft
+    from dflash2.decoding.verify import Draft
 
     view = SealedDrafts([Draft(torch.arange(3), confidence=torch.tensor([0.9, 0.5, 0.1])), Draft(torch.arange(2))])
     assert view.lengths == (3, 2) and view.has_confidence == (True, False) and not hasattr(view, "tokens")

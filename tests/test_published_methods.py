@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
-from dflash2.reference_format import config_from_reference, reference_from_config
+from dflash2.drafter.reference_format import config_from_reference, reference_from_config
 from tests import published_reference as ref
 from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, random_selector_tensors, tiny_target
 from tests.test_published_semantics import (B, GROUP, H, HD, HEADS, INTER, KV, LAYER_IDS, LAYOUTS, RANK, ROUNDS, TAPS,

@@ -16,9 +16,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import dflash2.backbone as backbone
+import dflash2.drafter.backbone as backbone
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate, spec_generate_batch
-from dflash2.reference_format import config_from_reference, reference_from_config
+from dflash2.drafter.reference_format import config_from_reference, reference_from_config
 from dflash2.train.forward import masked_block_forward
 from tests import published_reference as ref
 from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, tiny_target
@@ -452,7 +452,7 @@ def test_the_published_drafter_has_the_published_tensor_names_and_shapes(tmp_pat
     (tmp_path / "config.json").write_text(json.dumps(PUBLISHED))  # no weights: nothing of 2.7B is allocated
     drafter = DFlash2Drafter.from_pretrained(tmp_path, device="meta")
     names = dict(drafter.state_dict())
-    from dflash2.reference_format import reference_from_state
+    from dflash2.drafter.reference_format import reference_from_state
     shapes = {k: tuple(v.shape) for k, v in reference_from_state(names).items()}
     want = {"fc.weight": (6656, 33280), "norm.weight": (6656,), "hidden_norm.weight": (6656,),
             "candidate_selector.predecessor_codebook": (202048, 256),

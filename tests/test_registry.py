@@ -18,7 +18,7 @@ import dflash2
 from dflash2 import DFlash2Config, DFlash2Drafter, SamplingParams, spec_generate, spec_generate_batch
 from dflash2.interfaces import Selector
 from dflash2.registry import CONVS, SELECTORS, Registry
-from dflash2.sampling import process_logits
+from dflash2.decoding.sampling import process_logits
 from tests.helpers import MASK, enumerate_outcomes, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def test_what_a_selector_lacks_is_named_with_what_it_is_for(no_repeat):
 
 
 def test_registry_names_and_refusals():
-    registry = Registry("piece", ("dflash2.selector",))
+    registry = Registry("piece", ("dflash2.drafter.selectors.codebook",))
     registry.register("a", dict)
     assert registry.register("a", dict) is dict  # the same factory again: fine
     with pytest.raises(ValueError, match="taken by"):
@@ -233,9 +233,9 @@ def test_registry_names_and_refusals():
         registry.register("a b", dict)
     with pytest.raises(ValueError, match=r"unknown piece 'b': registered are \['a'\]"):
         registry.factory("b")
-    with pytest.raises(ValueError, match="cannot import Nope from dflash2.selector"):
-        registry.factory("dflash2.selector:Nope")
-    assert registry.factory("dflash2.selector:WalkSelector").__name__ == "WalkSelector"
+    with pytest.raises(ValueError, match="cannot import Nope from dflash2.drafter.selectors.codebook"):
+        registry.factory("dflash2.drafter.selectors.codebook:Nope")
+    assert registry.factory("dflash2.drafter.selectors.codebook:WalkSelector").__name__ == "WalkSelector"
     with pytest.raises(ValueError, match="unknown selector 'nope'"):
         DFlash2Config(hidden_size=32, vocab_size=48, num_target_layers=4, selector="nope")
     with pytest.raises(ValueError, match="unknown conv 'nope'"):

@@ -1,5 +1,5 @@
 """Sampling semantics are HF generate's: temperature → top-k → top-p, same ties kept; at top-p's edge equal
-scores are dropped in index order (dflash2/sampling.py)."""
+scores are dropped in index order (dflash2/decoding/sampling.py)."""
 
 import math
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from dflash2 import SamplingParams
-from dflash2.sampling import greedy_token, process_logits
+from dflash2.decoding.sampling import greedy_token, process_logits
 
 
 def hf_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
@@ -94,7 +94,7 @@ def test_torch_random_draws_each_index_at_its_probability_and_never_one_of_zero_
     vocabulary with zero-mass gaps and ends match the probabilities (each count within 5 standard
     deviations, seeded), never an index of zero mass; a uniform that lands on the total (rounding) gives
     the last index with mass, not one past the vocabulary."""
-    import dflash2.rng as rng
+    import dflash2.decoding.rng as rng
 
     probs = torch.zeros(4096)
     probs[[0, 7, 8, 1000, 4000]] = torch.tensor([0.05, 0.4, 0.25, 0.2999, 0.0001])
@@ -114,7 +114,7 @@ def test_torch_random_draws_rows_as_it_draws_them_one_by_one(rows, monkeypatch):
     row from the same generator, and leaves the generator where those calls leave it; a uniform that
     lands on a row's total gives that row's last index with mass; a source without it (a test's
     enumerating source) is asked row by row."""
-    import dflash2.rng as rng
+    import dflash2.decoding.rng as rng
 
     g = torch.Generator().manual_seed(rows)
     probs = torch.softmax(3 * torch.randn(rows, 4096, generator=g), -1)

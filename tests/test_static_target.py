@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from dflash2 import DFlash2Drafter, TargetAdapter, ar_generate, ar_generate_batch, spec_generate, spec_generate_batch
-from dflash2.batch import left_pad
-from dflash2.target.static import StaticTarget
+from dflash2.decoding.batch import left_pad
+from dflash2.targets.static import StaticTarget
 from tests import test_exact_distribution as exact
-from dflash2.sampling import process_logits
+from dflash2.decoding.sampling import process_logits
 from tests.helpers import (HAS_CXX_COMPILER, MASK, DraftEvery, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target,
                            with_linears_in)
 

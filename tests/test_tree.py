@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dflash2 import SamplingParams
-from dflash2.sampling import process_logits
-from dflash2.tree import TokenTree, TreeVerdict, verify_tree
-from dflash2.verify import verify_deterministic
+from dflash2.decoding.sampling import process_logits
+from dflash2.decoding.tree import TokenTree, TreeVerdict, verify_tree
+from dflash2.decoding.verify import verify_deterministic
 from tests.helpers import enumerate_outcomes, max_abs_diff
 
 V, N_NEW = 3, 4

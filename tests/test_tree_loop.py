@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import dflash2.round as round_mod
+import dflash2.decoding.round as round_mod
 from dflash2 import DFlash2Drafter, SamplingParams, TargetAdapter, spec_generate
-from dflash2.sampling import process_logits
-from dflash2.tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
-from dflash2.verify import verify_deterministic
+from dflash2.decoding.sampling import process_logits
+from dflash2.decoding.tree import TokenTree, TreeVerdict, best_first_tree, verify_tree
+from dflash2.decoding.verify import verify_deterministic
 from tests.helpers import (ARCHITECTURES, MORE_ARCHITECTURES, VOCAB, TreeStubDrafter, enumerate_outcomes, perturb_selector,
                            exact_ar_distribution, hf_greedy, max_abs_diff, needs_hybrid_transformers,
                            oracle_tree_drafter, tiny_target)
@@ -93,7 +93,7 @@ def test_tree_mask_matters():
 
 def test_masked_passes_use_grouped_heads_and_restore_the_attention_setting(monkeypatch):
     """Tree and batch passes run PyTorch's SDPA on the grouped K/V heads with the mask (no per-head
-    copy of the cache: dflash2/target/attention.py), and leave the target's setting as it was, even
+    copy of the cache: dflash2/targets/attention.py), and leave the target's setting as it was, even
     when the pass fails. The logits are the sequential ones (the test above covers every architecture)."""
     target = tiny_target("qwen3")  # 4 query heads, 2 K/V heads
     assert target.config._attn_implementation == "sdpa"

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from dflash2.reference_format import config_from_reference
+from dflash2.drafter.reference_format import config_from_reference
 from tests.test_published_semantics import LAYOUTS, reference_config
 
 VLLM = os.environ.get("DFLASH2_VLLM_PYTHON")

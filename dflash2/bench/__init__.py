@@ -33,7 +33,7 @@ to `out`. Methods:
     dflash2_walk_V<n>, dflash2_tree<M>_V<n>
                      with `draft_vocabs: [n, ...]`: the walk and tree rows again with the drafter's LM
                      head over the n most frequent tokens of `token_counts` (a safetensors file of
-                     `dflash2.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
+                     `dflash2.drafter.draft_vocab.save_counts`, or "embedded": the embedded target's corpus)
     ..._compiled     with `compile_drafters: true`: the walk, tree and adaptive rows (and the _V<n> rows) again
                      with each drafting round through torch.compile as one graph (DFlash2Drafter.compile,
                      dynamic shapes), at every concurrency; `target_steps` chooses the target's step
@@ -107,9 +107,9 @@ The package, by role:
     cli.py       the command line
 """
 
-from .cli import main
-from .config import BenchConfig
-from .methods import Method, Run
-from .run import run_bench
+from dflash2.bench.cli import main
+from dflash2.bench.config import BenchConfig
+from dflash2.bench.methods import Method, Run
+from dflash2.bench.run import run_bench
 
 __all__ = ["BenchConfig", "Method", "Run", "main", "run_bench"]

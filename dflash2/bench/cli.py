@@ -7,9 +7,9 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from ..overrides import load_yaml_with_overrides
-from .config import BenchConfig, num_tables
-from .run import run_bench
+from dflash2.overrides import load_yaml_with_overrides
+from dflash2.bench.config import BenchConfig, num_tables
+from dflash2.bench.run import run_bench
 
 
 def default_out(config: Path | None, quick: bool) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from .prompts import NAMES, SUITES
+from dflash2.bench.prompts import NAMES, SUITES
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
             "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}

@@ -17,12 +17,12 @@ from typing import Any, Callable
 
 import torch
 
-from ..batch import ar_generate_batch, spec_generate_batch
-from ..draft_vocab import load_counts, most_frequent
-from ..drafter import DFlash2Drafter
-from ..loop import ar_generate, spec_generate
-from .config import DTYPE_SUFFIX, DTYPES, STEP_SUFFIX, VLLM_METHODS, BenchConfig
-from .prompts import PromptSet
+from dflash2.decoding.batch import ar_generate_batch, spec_generate_batch
+from dflash2.drafter.draft_vocab import load_counts, most_frequent
+from dflash2.drafter.model import DFlash2Drafter
+from dflash2.decoding.loop import ar_generate, spec_generate
+from dflash2.bench.config import DTYPE_SUFFIX, DTYPES, STEP_SUFFIX, VLLM_METHODS, BenchConfig
+from dflash2.bench.prompts import PromptSet
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,10 @@ class _Policies:
         self.policies: dict[tuple, Any] = {}
 
     def __call__(self, tgt, drafter, setting: dict, tree_nodes: int | None = None):
-        from ..confidence import Calibrator, NodeRates
-        from ..policy import (UNKNOWN_CONFIDENCE, GoodputPolicy, TreeGoodputPolicy, profile_draft, profile_loop,
-                              profile_verify, profile_verify_batch)
-        from ..target.adapter import TargetAdapter
+        from dflash2.policy.confidence import Calibrator, NodeRates
+        from dflash2.policy.cost import profile_draft, profile_loop, profile_verify, profile_verify_batch
+        from dflash2.policy.goodput import UNKNOWN_CONFIDENCE, GoodputPolicy, TreeGoodputPolicy
+        from dflash2.targets.adapter import TargetAdapter
 
         key = (id(tgt), id(drafter), tree_nodes)
         positions = tree_nodes or drafter.block_size - 1  # the most tokens (nodes) a round verifies
@@ -143,7 +143,7 @@ def _static_targets(target, made: dict | None = None) -> Callable[[str, tuple[in
     """(target step, target layers read) → the compiled StaticTarget for them, made once and kept in
     `made` (the bench passes one dict for the whole run: every table's rows share the compiled graphs,
     whose warm-ups take minutes): "static_bf16mm" with bfloat16 products (linear_dtype)."""
-    from ..target.static import StaticTarget
+    from dflash2.targets.static import StaticTarget
 
     made = {} if made is None else made
 
@@ -278,7 +278,7 @@ def _drafter_variants(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], blo
 
 
 def _token_counts(cfg: BenchConfig) -> torch.Tensor:
-    from ..embedded import token_counts
+    from dflash2.embedded import token_counts
 
     return token_counts() if cfg.token_counts == "embedded" else load_counts(cfg.token_counts)
 
@@ -342,7 +342,7 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, 
     repetition's answers (the engine runs a whole turn's prompts per call)."""
     import tempfile
 
-    from ..engines.vllm import run_vllm
+    from dflash2.engines.vllm import run_vllm
 
     exports = tempfile.TemporaryDirectory(prefix="dflash2-bench-drafters-")
     convs = prompts.conversations
@@ -386,7 +386,7 @@ def run_engine(cfg: BenchConfig, drafters: dict[str, DFlash2Drafter], prompter, 
 
 def merge_engine(a, b):
     """Two turns' or repetitions' VLLMResults as one: the spec-decode counters add up; the first error stays."""
-    from ..engines.vllm import add_counters
+    from dflash2.engines.vllm import add_counters
 
     return dataclasses.replace(a, spec_decode=add_counters(a.spec_decode, b.spec_decode), error=a.error or b.error,
                                log_tail=b.log_tail or a.log_tail,
@@ -394,7 +394,11 @@ def merge_engine(a, b):
 
 
 def resolve(path: str) -> str:
-    """"embedded" or "embedded:NAME" → the embedded pair's directory; anything else as it is."""
-    from ..embedded import embedded_path
+    """"embedded" or "embedded:NAME" → the embedded pair's directory; "smollm2" or a .gguf file → its
+    dequantized directory (dflash2.targets.gguf); anything else as it is."""
+    from dflash2.embedded import embedded_path
+    from dflash2.targets.gguf import resolve_target
 
-    return str(embedded_path(path.split(":", 1)[1] if ":" in path else "target")) if path.startswith("embedded") else path
+    if path.startswith("embedded"):
+        return str(embedded_path(path.split(":", 1)[1] if ":" in path else "target"))
+    return resolve_target(path)

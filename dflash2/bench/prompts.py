@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from ..embedded.corpus import corpus_files
-from ..train.data import Conversation, parse_row
+from dflash2.embedded.corpus import corpus_files
+from dflash2.train.data import Conversation, parse_row
 
 NAMES = ("humaneval", "stdlib_heldout")
 REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."

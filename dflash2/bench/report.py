@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from ..engines.vllm import refusal_reason
-from .config import HF_BASELINES, BenchConfig, cpu_description
-from .machine import commit, load_note
-from .stats import median_ratio, quartiles, ratios, tokens_per_s
+from dflash2.engines.vllm import refusal_reason
+from dflash2.bench.config import HF_BASELINES, BenchConfig, cpu_description
+from dflash2.bench.machine import commit, load_note
+from dflash2.bench.stats import median_ratio, quartiles, ratios, tokens_per_s
 
 
 def acceptance_histogram(lengths: list[int], block: int) -> list[float]:

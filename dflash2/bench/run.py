@@ -11,15 +11,15 @@ from typing import Any
 
 import torch
 
-from ..batch import left_pad
-from ..checks import from_pretrained
-from ..drafter import DFlash2Drafter
-from ..train.data import render
-from .config import DTYPES, SETTINGS, BenchConfig, num_tables
-from .machine import LoadMonitor
-from .methods import Method, Run, make_batch_methods, make_methods, merge_engine, resolve, run_engine
-from .prompts import PromptSet, load_prompt_set
-from .report import fastest_plain, summarize, write_outputs
+from dflash2.decoding.batch import left_pad
+from dflash2.decoding.checks import from_pretrained
+from dflash2.drafter.model import DFlash2Drafter
+from dflash2.train.data import render
+from dflash2.bench.config import DTYPES, SETTINGS, BenchConfig, num_tables
+from dflash2.bench.machine import LoadMonitor
+from dflash2.bench.methods import Method, Run, make_batch_methods, make_methods, merge_engine, resolve, run_engine
+from dflash2.bench.prompts import PromptSet, load_prompt_set
+from dflash2.bench.report import fastest_plain, summarize, write_outputs
 
 
 def load_models(cfg: BenchConfig):
@@ -46,7 +46,7 @@ def _quick_models():
     """Tiny random models standing in for the embedded pair (smoke test: files and fields, not speed)."""
     import transformers
 
-    from ..embedded import embedded_path
+    from dflash2.embedded import embedded_path
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(embedded_path("tokenizer")))
     config = lambda layers, hidden: transformers.Qwen3Config(
@@ -191,7 +191,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                     write_outputs(cfg, rows, sources, dict(whole.record(), tables=tables),
                                   partial=(len(tables), n_tables))
     if cfg.servers:
-        from .server import run_servers
+        from dflash2.bench.server import run_servers
 
         for spec in cfg.servers.values():
             launch = spec.launch if isinstance(spec.launch, str) or not spec.launch else shlex.join(spec.launch)

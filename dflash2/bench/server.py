@@ -53,9 +53,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..engines.vllm import add_counters
-from .config import ServerSpec
-from .stats import quartiles, ratios, tokens_per_s
+from dflash2.engines.vllm import add_counters
+from dflash2.bench.config import ServerSpec
+from dflash2.bench.stats import quartiles, ratios, tokens_per_s
 
 # -- the server's life ------------------------------------------------------------------------------------
 class Launched:
@@ -275,8 +275,8 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
     server back to back, so slow drifts of the machine hit them alike. Rows as the bench writes them.
     `servers_cpu` gets the CPU seconds of each launched server (its start-up included), which the
     whole run's load record counts as the bench's own."""
-    from .config import SETTINGS
-    from .machine import LoadMonitor
+    from dflash2.bench.config import SETTINGS
+    from dflash2.bench.machine import LoadMonitor
 
     runs: dict[tuple, dict[str, list]] = {}  # (dataset, conc, setting) → server name → [(rep, p, Run)]
     info: dict[tuple, dict[str, dict]] = {}
@@ -324,7 +324,7 @@ def run_servers(cfg, prompter, sets: dict, stops: list[int], tables: list[dict],
 
 def _conversation(client: Client, prompter, prompts, conv, cfg, setting: dict, stops: list[int], seed: int):
     """One conversation's turns in order, each prompt holding the server's earlier answers: (Run, verify steps)."""
-    from .methods import Run
+    from dflash2.bench.methods import Run
 
     answers, total, steps = [], Run(0, 0.0), 0
     for k in range(len(conv.turns)):
@@ -353,7 +353,7 @@ def _table(clients: dict[str, Client], launched: dict[str, Launched], prompter, 
     server's first request is slow). Per server: [(rep, p, Run)] (p: the conversation at concurrency 1,
     0 for the whole set above), its SGLang verify steps (None where not reported) and its spec-decode
     counters over the timed requests only."""
-    from .methods import Run
+    from dflash2.bench.methods import Run
 
     items: dict[str, list] = {name: [] for name in clients}
     steps: dict[str, int | None] = {name: 0 for name in clients}
@@ -394,7 +394,7 @@ def _delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
 
 
 def _rows(key: tuple, runs: dict[str, list], info: dict[str, dict], cfg) -> list[dict[str, Any]]:
-    from .config import SETTINGS
+    from dflash2.bench.config import SETTINGS
 
     dataset, conc, setting_name = key
     plain = next((n for n in runs if info[n]["spec"].block_size is None), None)

@@ -6,7 +6,7 @@ Directories (HF-style, safetensors): `tokenizer/`, `target/` (a small Qwen3ForCa
 Python standard library's source), `dflash2/` and `dflash1/` (drafters trained against it with the
 same data and steps), `ar_draft/` (a small AR model for HF assisted generation baselines), and
 `token_counts.safetensors` (the target's training corpus counted by token: `token_counts()`, which
-ranks a draft vocabulary, see `dflash2.draft_vocab`).
+ranks a draft vocabulary, see `dflash2.drafter.draft_vocab`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def available(variant: str = "dflash2") -> bool:
 def token_counts() -> torch.Tensor:
     """Occurrences [V] of every token id in the embedded target's training corpus
     (experiments/embedded/count_tokens.py)."""
-    from ..draft_vocab import load_counts
+    from dflash2.drafter.draft_vocab import load_counts
 
     path = HERE / "token_counts.safetensors"
     if not path.is_file():
@@ -43,7 +43,7 @@ def load_embedded(variant: str = "dflash2", *, device: str | torch.device = "cpu
     """(tokenizer, target, drafter) of the embedded pair; FileNotFoundError if this installation lacks it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..drafter import DFlash2Drafter
+    from dflash2.drafter.model import DFlash2Drafter
 
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")

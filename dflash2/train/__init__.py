@@ -6,6 +6,6 @@
     checkpoint.py  atomic, streamed checkpoints
 """
 
-from .run import DataConfig, TrainConfig, load_config, main, train
+from dflash2.train.run import DataConfig, TrainConfig, load_config, main, train
 
 __all__ = ["DataConfig", "TrainConfig", "load_config", "main", "train"]

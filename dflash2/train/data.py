@@ -204,7 +204,7 @@ class VLLMBackend:
         self.generate_wall_s: float | None = None  # the engine's own time for the last call (its start excluded)
 
     def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
-        from ..engines.vllm import run_vllm
+        from dflash2.engines.vllm import run_vllm
 
         s = sampling
         result = run_vllm(self.python, self.target, prompts, max_new_tokens=s.max_new_tokens, temperature=s.temperature,

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..drafter import DFlash2Drafter
-from ..heads import Candidates, RoundContext
-from ..target.adapter import TargetAdapter
+from dflash2.drafter.model import DFlash2Drafter
+from dflash2.drafter.heads import Candidates, RoundContext
+from dflash2.targets.adapter import TargetAdapter
 
 
 class BlockOutputs(NamedTuple):

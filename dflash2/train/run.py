@@ -38,12 +38,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checks import from_pretrained, looks_like_hub_id
-from .checkpoint import load_checkpoint, save_checkpoint
-from ..drafter import DFlash2Drafter
-from ..overrides import load_yaml_with_overrides
-from ..target.adapter import TargetAdapter
-from .forward import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
+from dflash2.targets.gguf import resolve_target
+from dflash2.decoding.checks import from_pretrained, looks_like_hub_id
+from dflash2.train.checkpoint import load_checkpoint, save_checkpoint
+from dflash2.drafter.model import DFlash2Drafter
+from dflash2.overrides import load_yaml_with_overrides
+from dflash2.targets.adapter import TargetAdapter
+from dflash2.train.forward import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
                        masked_block_forward, position_weights, sample_masked_anchors)
 
 
@@ -231,7 +232,7 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
     """Write the run's dataset directory (see `dflash2.train.data`); returns it. Resumes a partial one."""
     from tqdm import tqdm
 
-    from . import data as td
+    from dflash2.train import data as td
 
     d = cfg.data
     eos = target.generation_config.eos_token_id if target.generation_config is not None else None
@@ -244,7 +245,7 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
     if d.dataset is not None:
         from transformers import AutoTokenizer
 
-        source = d.tokenizer or cfg.target
+        source = d.tokenizer or resolve_target(cfg.target)
         tokenizer = from_pretrained(AutoTokenizer.from_pretrained, source)
         td.check_chat_template(tokenizer, source)
         jobs: list = td.load_conversations(d.dataset, d.split, d.subset, d.max_conversations, d.system_prompt)
@@ -403,9 +404,10 @@ class Run:
             raise ValueError(f"the {cfg.batch_size // self.world} sequences per process and step do not split "
                              f"into grad_accum={cfg.grad_accum} micro-batches")
         self.out = Path(cfg.out)
-        if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target):
+        target = resolve_target(cfg.target)  # "smollm2" and .gguf files: their dequantized directory
+        if not Path(target).is_dir() and not looks_like_hub_id(target):
             raise FileNotFoundError(f"no such target directory: {cfg.target}")
-        self.target = from_pretrained(AutoModelForCausalLM.from_pretrained, cfg.target,
+        self.target = from_pretrained(AutoModelForCausalLM.from_pretrained, target,
                                       dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
         self.target = self.target.to(self.device).eval()
         self.target.requires_grad_(False)
@@ -440,7 +442,7 @@ class Run:
 
     # -- data --------------------------------------------------------------------------------------
     def load_data(self) -> None:
-        from .data import SequenceData
+        from dflash2.train.data import SequenceData
 
         directory = self.cfg.data.resolved_cache(self.out)
         if self.rank == 0 and not (directory / "complete.json").is_file():
@@ -799,7 +801,7 @@ def launch(nproc: int, argv: list[str], shutdown_timeout: int = 300) -> int:
 
 def describe(cfg: TrainConfig) -> str:
     """What a run of `cfg` would do (the --dry-run output): the checks that need no model, and the plan."""
-    from ..config import DFlash2Config
+    from dflash2.config import DFlash2Config
 
     if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target):
         raise FileNotFoundError(f"no such target directory: {cfg.target}")

@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from dflash2 import DFlash2Drafter, StaticTarget, ar_generate, spec_generate  # noqa: E402
 from dflash2.bench.machine import LoadMonitor  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.confidence import Calibrator  # noqa: E402
+from dflash2.policy.confidence import Calibrator  # noqa: E402
 from dflash2.embedded import load_embedded  # noqa: E402
 from experiments.embedded.eval_humaneval import acceptance_curve  # noqa: E402 (P(round accepts >= k drafts))
 

@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 from transformers import AutoTokenizer  # noqa: E402
 
 from dflash2.embedded.corpus import read_texts  # noqa: E402
-from dflash2.draft_vocab import count_tokens, coverage, most_frequent, save_counts  # noqa: E402
+from dflash2.drafter.draft_vocab import count_tokens, coverage, most_frequent, save_counts  # noqa: E402
 from dflash2.embedded import embedded_path  # noqa: E402
 
 OUT = embedded_path("token_counts.safetensors")

@@ -466,7 +466,7 @@ def _roofline_section() -> list[str]:
               "the remaining time is per-call overhead (operator dispatch, the compiled graph's guards, small "
               "matrix-vector products that do not reach the memory bandwidth), which batching amortises and "
               "speculative decoding divides by τ.", ""]
-    lines += ["StaticTarget's fused step (`dflash2/target/fused.py`, its default) cuts the first and the last of "
+    lines += ["StaticTarget's fused step (`dflash2/targets/fused.py`, its default) cuts the first and the last of "
               "those: four matrix products per layer instead of seven (q/k/v and gate/up as one matrix each), "
               "weights prepacked for oneDNN (the table above: the same products, faster, most of all for the "
               "16-token verify), and one-token passes left eager, where a compiled graph (its guards, its "

@@ -39,12 +39,12 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-import dflash2.round as round_mod  # noqa: E402
+import dflash2.decoding.round as round_mod  # noqa: E402
 from dflash2 import load_embedded, spec_generate  # noqa: E402
 from dflash2.bench.prompts import load_prompts  # noqa: E402
-from dflash2.loop import ar_generate  # noqa: E402
-from dflash2.sampling import SamplingParams, process_logits  # noqa: E402
-from dflash2.target.static import StaticTarget  # noqa: E402
+from dflash2.decoding.loop import ar_generate  # noqa: E402
+from dflash2.decoding.sampling import SamplingParams, process_logits  # noqa: E402
+from dflash2.targets.static import StaticTarget  # noqa: E402
 
 SAMPLING = dict(temperature=1.0, top_k=20, top_p=0.95)  # the bench's sampling setting
 POSITIONS = 15  # B - 1 at the shipped block size

@@ -9,7 +9,7 @@ one pass and then puts intra-block dependency back with a low-rank Markov head, 
 
 with a = the anchor at the first position and the token drafted before it afterwards. At T = 0 the
 draft is the argmax at each step; at T > 0 a draw from softmax(S_t / T) over the K candidates, which is
-the q the verifier checks. That is the walk of `dflash2.selector` over a lattice whose pairwise term
+the q the verifier checks. That is the walk of `dflash2.drafter.selectors.codebook` over a lattice whose pairwise term
 does not look at the hidden state: the DFlash-2 codebook selector's ⟨A[a] ⊙ P(h_t), C[b]⟩ with P = 1.
 
 The confidence head (config.confidence_head) estimates, for each drafted token, the probability that
@@ -28,12 +28,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from .config import DFlash2Config
-from .heads import Candidates
-from .registry import register_selector
-from .rng import RandomSource
-from .selector import PairwiseSelector, walk, walk_batch
-from .verify import Draft
+from dflash2.config import DFlash2Config
+from dflash2.drafter.heads import Candidates
+from dflash2.registry import register_selector
+from dflash2.decoding.rng import RandomSource
+from dflash2.drafter.selectors.codebook import PairwiseSelector, walk, walk_batch
+from dflash2.decoding.verify import Draft
 
 
 class MarkovHead(nn.Module):

@@ -26,13 +26,13 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from .checks import adapt_target, apply_policy, check_policy, check_prompt, check_stops, check_verify
-from .interfaces import Drafter, VerifyPolicy
-from .rng import RandomSource, TorchRandom
-from .round import Backlog, decide, first_token, propose_rows, synchronizer
-from .sampling import SamplingParams
-from .tree import TokenTree
-from .verify import Draft
+from dflash2.decoding.checks import adapt_target, apply_policy, check_policy, check_prompt, check_stops, check_verify
+from dflash2.interfaces import Drafter, VerifyPolicy
+from dflash2.decoding.rng import RandomSource, TorchRandom
+from dflash2.decoding.round import Backlog, decide, first_token, propose_rows, synchronizer
+from dflash2.decoding.sampling import SamplingParams
+from dflash2.decoding.tree import TokenTree
+from dflash2.decoding.verify import Draft
 
 
 class AutoregressiveDrafter:

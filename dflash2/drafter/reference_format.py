@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .config import DFlash2Config
+from dflash2.config import DFlash2Config
 
 V1, V2, DSPARK, LILICORR = "DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel", "LiLiCorrDraftModel"
 ARCHITECTURES = (V1, V2, DSPARK, LILICORR)
@@ -261,7 +261,7 @@ def _method_from_reference(arch: str, meta: dict[str, Any], dflash: dict[str, An
 
 def reference_architecture(config: DFlash2Config) -> str:
     """The published architecture a drafter of this config exports as; ValueError where it has none."""
-    from .selector import BUILTIN
+    from dflash2.drafter.selectors.codebook import BUILTIN
 
     if config.conv not in ("two_tap", "none") or config.selector not in (*BUILTIN, "dspark", "lilicorr"):
         raise ValueError(f"the reference format knows the built-in pieces only (selector {[*BUILTIN, 'dspark', 'lilicorr']}"

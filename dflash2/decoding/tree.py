@@ -23,8 +23,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .rng import RandomSource
-from .sampling import SamplingParams, greedy_token, process_logits
+from dflash2.decoding.rng import RandomSource
+from dflash2.decoding.sampling import SamplingParams, greedy_token, process_logits
 
 
 class TokenTree(NamedTuple):

@@ -15,7 +15,7 @@ candidate gets an outgoing and an incoming unit vector from SiLU(W_x x + W_a a +
     first[j]      = λ ⟨out(a), in[0, j]⟩                 anchor → candidate j at position 0
     steps[t, i, j] = λ ⟨out[t, i], in[t + 1, j]⟩          candidate i at t → candidate j at t + 1
 
-These scores replace the unaries: the walk of `dflash2.selector` (greedy, or sampled with the q it
+These scores replace the unaries: the walk of `dflash2.drafter.selectors.codebook` (greedy, or sampled with the q it
 drew from) and the token trees run over them unchanged. K must be a power of two <= 16 (as vLLM
 requires). Training: teacher-forced cross-entropy along the gold path of the lattice (docs/training.md,
 "Selector, transition and confidence terms"). LiLiCorr sits on either backbone (conv none or two_tap).
@@ -27,12 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import DFlash2Config
-from .heads import Candidates, RoundContext
-from .registry import register_selector
-from .rng import RandomSource
-from .selector import walk, walk_batch
-from .verify import Draft
+from dflash2.config import DFlash2Config
+from dflash2.drafter.heads import Candidates, RoundContext
+from dflash2.registry import register_selector
+from dflash2.decoding.rng import RandomSource
+from dflash2.drafter.selectors.codebook import walk, walk_batch
+from dflash2.decoding.verify import Draft
 
 NUM_FEATURES = 5
 

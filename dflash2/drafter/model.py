@@ -25,20 +25,21 @@ from safetensors.torch import load_file, save_file
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import reference_format
-from .checks import hub_failure, looks_like_hub_id
-from .backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
-from .config import DFlash2Config
-from .heads import CandidateHead, Candidates, RoundContext
-from .layers import allow_recompiles, announce_compiling, as_rows, compile_own, gemm_choice, inductor_gemm
-from .rng import RandomSource
-from .selector import build_selector
-from .target.adapter import TargetAdapter
-from .tree import TokenTree, best_first_tree
-from .verify import Draft
+from dflash2.drafter import reference_format
+from dflash2.decoding.checks import hub_failure, looks_like_hub_id
+from dflash2.drafter.backbone import BlockDiffusionBackbone, ContextBatch, ContextCache
+from dflash2.config import DFlash2Config
+from dflash2.drafter.heads import CandidateHead, Candidates, RoundContext
+from dflash2.compile import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
+from dflash2.layers import as_rows
+from dflash2.decoding.rng import RandomSource
+from dflash2.drafter.selectors.codebook import build_selector
+from dflash2.targets.adapter import TargetAdapter
+from dflash2.decoding.tree import TokenTree, best_first_tree
+from dflash2.decoding.verify import Draft
 
 if TYPE_CHECKING:
-    from .interfaces import Selector
+    from dflash2.interfaces import Selector
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 
@@ -221,7 +222,7 @@ class DFlash2Drafter(nn.Module):
         be loaded again). The new selector keeps the old one's tensors where their names and shapes
         agree (walk ↔ viterbi share the codebooks) and starts from its own init elsewhere (then train it:
         `drafter.selector=NAME` in a training config)."""
-        from .registry import SELECTORS
+        from dflash2.registry import SELECTORS
 
         if isinstance(selector, str):
             name, given = selector, None
@@ -237,7 +238,7 @@ class DFlash2Drafter(nn.Module):
         """A copy of `config` (another selector) with `state`'s backbone and head; its selector (`given`, or
         the one its config builds) takes `state`'s selector tensors where names and shapes agree. A tensor
         left at its init is refused unless `fresh_ok` (untrained codebooks would draft as argmax does)."""
-        from .selector import complete_selector
+        from dflash2.drafter.selectors.contract import complete_selector
 
         copy, _ = self._copy(config, {k: v for k, v in state.items() if not k.startswith("candidate_selector.")},
                              strict=False)
@@ -384,7 +385,7 @@ class DFlash2Drafter(nn.Module):
         context projection, block pass, LM head, top-K and the lattice's scores run as one graph, one
         call per round. Arguments go to torch.compile; `dynamic=True` suits decoding, where the
         context grows every round. (`backbone.compile` compiles the block pass and the projection
-        separately: two calls per round, and the batched path's passes.) `gemm` (dflash2.layers.gemm_choice):
+        separately: two calls per round, and the batched path's passes.) `gemm` (dflash2.compile.gemm_choice):
         "inductor" (the default on CPU) freezes the drafter's weights, and the target's LM head it reads,
         into the graphs as constants: the graphs do not see later changes to them (compile after loading
         or training, and compile a copy per target)."""

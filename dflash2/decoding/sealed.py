@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 
-from .tree import TokenTree
+from dflash2.decoding.tree import TokenTree
 
 
 class SealedDrafts:
@@ -60,7 +60,7 @@ class SealedDrafts:
             if self._committed[r] < t:
                 raise ValueError(f"a policy read the confidence at position {t} of row {r} before committing to verify "
                                  f"the {t} tokens before it (committed {self._committed[r]}): a width must be a "
-                                 "stopping rule (dflash2.sealed)")
+                                 "stopping rule (dflash2.decoding.sealed)")
             if t >= self.lengths[r]:
                 raise ValueError(f"row {r} drafted {self.lengths[r]} tokens; there is no position {t}")
             conf = self._confidence[r]

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .registry import register_conv
+from dflash2.registry import register_conv
 
 Sublayer = Callable[[Tensor], Tensor]
 

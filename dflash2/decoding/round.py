@@ -14,11 +14,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .interfaces import Drafter
-from .rng import RandomSource
-from .sampling import SamplingParams, greedy_token, process_logits
-from .tree import TokenTree, verify_tree
-from .verify import Draft, Verdict, commit, verify_block
+from dflash2.interfaces import Drafter
+from dflash2.decoding.rng import RandomSource
+from dflash2.decoding.sampling import SamplingParams, greedy_token, process_logits
+from dflash2.decoding.tree import TokenTree, verify_tree
+from dflash2.decoding.verify import Draft, Verdict, commit, verify_block
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..layers import SDPA_GQA
+from dflash2.layers import SDPA_GQA
 
 NAME = "dflash2_masked_sdpa"
 

@@ -13,7 +13,7 @@ model, but calls them directly:
 
 with a cache whose keys and values live in buffers allocated once per sequence (slot = position,
 so a rollback only moves the length back), and a mask built from positions. By default the layers
-are not called as modules but written out (`dflash2.target.fused`: q/k/v and gate/up as one matrix
+are not called as modules but written out (`dflash2.targets.fused`: q/k/v and gate/up as one matrix
 each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
 calls the model's layer modules as above. The step can be put through `torch.compile`
 (`compile=True`: shapes warmed up dynamic, so the growing cache compiles once per kind of pass, each
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from .adapter import TargetAdapter, TargetStep
-from .attention import masked_gqa
-from .fused import FusedDecoder, Linear
-from ..layers import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
-from ..tree import TokenTree
+from dflash2.targets.adapter import TargetAdapter, TargetStep
+from dflash2.targets.attention import masked_gqa
+from dflash2.targets.fused import FusedDecoder, Linear
+from dflash2.compile import allow_recompiles, announce_compiling, compile_own, gemm_choice, inductor_gemm
+from dflash2.decoding.tree import TokenTree
 
 # the kinds of pass that compile apart (StaticTarget._runs): prefills; batch 1's passes after the prefill; a
 # batch's one-token passes (plain steps, rounds not drafted) and its wider ones (verification)
@@ -96,15 +96,15 @@ class StaticTarget(TargetAdapter):
     capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
     compile: put the step through torch.compile (dynamic rows, widths and slots), compiled before the first pass (batch 1:
            every pass but a prefill; batches: one-token passes).
-    fused: run the decoder written out (dflash2.target.fused: q/k/v and gate/up as one matrix each,
+    fused: run the decoder written out (dflash2.targets.fused: q/k/v and gate/up as one matrix each,
            oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
            otherwise); False: always the model's own layer modules.
     linear_dtype: the dtype of the fused step's matrix products, the LM head's included (None: the
            model's). "bfloat16" on a float32 model: bfloat16 products on CPUs that have them natively,
            float32 everywhere else (residual stream, norms, attention, cache). This changes the target's
            arithmetic: decoding through this StaticTarget is lossless with respect to it, not to the
-           model's own forward (dflash2.target.fused). Needs the fused step.
-    gemm: how the compiled fused step multiplies (dflash2.layers.gemm_choice). "inductor" (what "auto" picks
+           model's own forward (dflash2.targets.fused). Needs the fused step.
+    gemm: how the compiled fused step multiplies (dflash2.compile.gemm_choice). "inductor" (what "auto" picks
            for a compiled fused step on CPU): the weights frozen into each graph as constants, each
            product one of inductor's C++ GEMM kernels (or ATen's, whichever its timing at compile time
            prefers); the calls into oneDNN cost more than a small model's products. Each graph then
@@ -460,7 +460,7 @@ class StaticTarget(TargetAdapter):
 
 
 def _gemm(gemm: str, compile: bool, fused: FusedDecoder | None, device: torch.device) -> str:
-    """StaticTarget's `gemm` resolved (dflash2.layers.gemm_choice): "inductor" needs the compiled fused
+    """StaticTarget's `gemm` resolved (dflash2.compile.gemm_choice): "inductor" needs the compiled fused
     step; "aten" is the prepacked oneDNN call on CPU (F.linear elsewhere)."""
     if gemm == "auto" and (not compile or fused is None):
         return "aten"

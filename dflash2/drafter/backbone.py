@@ -24,9 +24,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import DFlash2Config
-from .registry import CONVS
-from .layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, attention
+from dflash2.config import DFlash2Config
+from dflash2.registry import CONVS
+from dflash2.layers import RMSNorm, RotaryEmbedding, SwiGLU, apply_rope, attention
 
 Rope = tuple[Tensor, Tensor]  # (cos, sin), each [T, hd] or [N, 1, T, hd]
 

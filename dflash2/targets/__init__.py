@@ -8,8 +8,8 @@
     static.py     StaticTarget: the model's own layers over a preallocated cache, for torch.compile
 """
 
-from .adapter import HYBRID_MIN_TRANSFORMERS, TargetAdapter, TargetStep, cat_rows_left_padded, transformers_version
-from .static import StaticTarget
+from dflash2.targets.adapter import HYBRID_MIN_TRANSFORMERS, TargetAdapter, TargetStep, cat_rows_left_padded, transformers_version
+from dflash2.targets.static import StaticTarget
 
 __all__ = ["HYBRID_MIN_TRANSFORMERS", "StaticTarget", "TargetAdapter", "TargetStep", "cat_rows_left_padded",
            "transformers_version"]

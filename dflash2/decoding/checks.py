@@ -8,9 +8,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .interfaces import CheckedDrafter, Drafter, TreeDrafter
-from .sealed import SealedDrafts
-from .target.adapter import TargetAdapter
+from dflash2.interfaces import CheckedDrafter, Drafter, TreeDrafter
+from dflash2.decoding.sealed import SealedDrafts
+from dflash2.targets.adapter import TargetAdapter
 
 
 def looks_like_hub_id(name: str | Path) -> bool:
@@ -124,7 +124,7 @@ def check_verify(verify: str, tree_nodes: int, drafter: Drafter, tgt: TargetAdap
 
 
 def check_policy(policy) -> None:
-    from .interfaces import VerifyPolicy
+    from dflash2.interfaces import VerifyPolicy
 
     if policy is None:
         return
@@ -134,7 +134,7 @@ def check_policy(policy) -> None:
 
 def apply_policy(policy, drafts: list, draft_s: float) -> list:
     """Each draft truncated to the width the policy picks (all of it without a policy): a path's first
-    tokens, a tree's first nodes. The policy sees the drafts sealed (dflash2.sealed): their lengths and
+    tokens, a tree's first nodes. The policy sees the drafts sealed (dflash2.decoding.sealed): their lengths and
     confidences revealed as a stopping rule allows, never their tokens."""
     if policy is None:
         return drafts

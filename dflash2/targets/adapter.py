@@ -42,10 +42,10 @@ import transformers
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from ..layers import as_rows
-from .attention import masked_gqa
-from .cache import GrowingLayer
-from ..tree import TokenTree
+from dflash2.layers import as_rows
+from dflash2.targets.attention import masked_gqa
+from dflash2.targets.cache import GrowingLayer
+from dflash2.decoding.tree import TokenTree
 
 # Layer types that are pure attention: their KV cache can be cropped exactly.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention"})

@@ -18,7 +18,7 @@ tokens, so a slot may be live in one row and dead in another: `valid` [R, S] rec
 live and `pos` [R, S] their positions; every pass gets a custom attention mask built from them
 (causal by position, sliding windows by position). Columns dead in every row are dropped once they
 are a quarter of the slots (compacting copies the whole cache, so it is not done every round). Per row
-this is exactly `spec_generate`: the same round (dflash2/round.py), the same drafter calls, the same
+this is exactly `spec_generate`: the same round (dflash2/decoding/round.py), the same drafter calls, the same
 verifier, the same commit rule (tests/test_batch.py).
 """
 
@@ -30,15 +30,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .checks import adapt_target, apply_policy, check_batch, check_concurrency, check_policy, check_stops, check_verify
-from .interfaces import BatchDrafter, Drafter, VerifyPolicy
-from .loop import AutoregressiveDrafter, GenerationResult
-from .rng import RandomSource, TorchRandom, categorical_rows
-from .round import Backlog, decide, first_token, propose_rows, synchronizer
-from .sampling import SamplingParams, greedy_token, process_logits
-from .target.adapter import TargetAdapter, cat_rows_left_padded
-from .tree import TokenTree
-from .verify import Draft
+from dflash2.decoding.checks import (adapt_target, apply_policy, check_batch, check_concurrency, check_policy, check_stops,
+                                     check_verify)
+from dflash2.interfaces import BatchDrafter, Drafter, VerifyPolicy
+from dflash2.decoding.loop import AutoregressiveDrafter, GenerationResult
+from dflash2.decoding.rng import RandomSource, TorchRandom, categorical_rows
+from dflash2.decoding.round import Backlog, decide, first_token, propose_rows, synchronizer
+from dflash2.decoding.sampling import SamplingParams, greedy_token, process_logits
+from dflash2.targets.adapter import TargetAdapter, cat_rows_left_padded
+from dflash2.decoding.tree import TokenTree
+from dflash2.decoding.verify import Draft
 
 
 @dataclass
@@ -277,12 +278,12 @@ def _retire(rows: _Rows, tgt: TargetAdapter, context) -> None:
 
 
 def _prefill_grouped(tgt: TargetAdapter, prompts: list[Tensor]):
-    """_prefill in `prefill_groups`, their caches joined (group after group) → as _prefill, and at[i]:
+    """prefill_rows in `prefill_groups`, their caches joined (group after group) → as prefill_rows, and at[i]:
     the row of prompt i (a dict)."""
     groups = prefill_groups([len(p) for p in prompts])
-    cache, valid, pos, logits, features = _prefill(tgt, [prompts[i] for i in groups[0]])
+    cache, valid, pos, logits, features = prefill_rows(tgt, [prompts[i] for i in groups[0]])
     for group in groups[1:]:
-        c, v, p, lg, f = _prefill(tgt, [prompts[i] for i in group])
+        c, v, p, lg, f = prefill_rows(tgt, [prompts[i] for i in group])
         tgt.append_rows(cache, c)
         valid, pos = cat_rows_left_padded(valid, v, slot_dim=1), cat_rows_left_padded(pos, p, slot_dim=1)
         logits, features = torch.cat([logits, lg]), features + f
@@ -291,7 +292,7 @@ def _prefill_grouped(tgt: TargetAdapter, prompts: list[Tensor]):
     return cache, valid, pos, logits, features, at
 
 
-def _prefill(tgt: TargetAdapter, prompts: list[Tensor]):
+def prefill_rows(tgt: TargetAdapter, prompts: list[Tensor]):
     """Left-padded prefill of n prompts in a new cache → cache, valid [n, T] (live slots), pos [n, T]
     (slot j of row r holds position j - pad_r), last logits [n, V], features per row ([1, T_r, F] or None)."""
     T = max(len(p) for p in prompts)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..layers import SDPA_GQA
+from dflash2.layers import SDPA_GQA
 
 # RoPE types whose tables depend on the sequence length, not only on the position.
 LENGTH_DEPENDENT_ROPE = frozenset({"dynamic", "longrope"})
