@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 from dflash2.train.checkpoint import load_checkpoint
 from dflash2.embedded import embedded_path
 from dflash2.train.run import load_config, train
-from dflash2.train.data import Conversation, HFBackend, Sampling, SequenceData, load_conversations, parse_row, render
+from dflash2.train.data import (Conversation, HFBackend, Sampling, SequenceData, StaticBackend, load_conversations, parse_row,
+                                render)
 
 ROOT = Path(__file__).resolve().parents[1]
 EOS, MASK_ID, PAD = 0, 1, 2  # the embedded tokenizer's special tokens
@@ -127,6 +128,25 @@ def test_the_backend_stops_at_eos_and_keeps_it(chat_target):
     assert cut[1] == free[1][:3]
     exact = HFBackend(model, [stop], PAD).generate(prompts, Sampling(8, stop_at_eos=False), seed=0)
     assert exact == free  # fixed-length prompts: past EOS
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_static_backend_answers_as_generate_does(chat_target, temperature):
+    """Continuous batching through our plain decoding: greedy, the same answers as `generate` (float64: no
+    near-ties), stopped at EOS alike; sampled, seeded (the same seed, the same answers)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(chat_target).to(torch.float64).eval()
+    prompts = [[5, 6, 7], [9, 10, 11, 12, 13], [4], [20, 21]]
+    free = HFBackend(model, [EOS], PAD).generate(prompts, Sampling(8, temperature), seed=0)
+    stop = free[1][2]
+    ours = StaticBackend(model, [stop], batch=2).generate(prompts, Sampling(8, temperature), seed=3)
+    if temperature == 0.0:
+        want = HFBackend(model, [stop], PAD).generate(prompts, Sampling(8), seed=0)
+        assert ours == want and ours[1] == free[1][:3]
+    else:
+        assert ours == StaticBackend(model, [stop], batch=2).generate(prompts, Sampling(8, temperature), seed=3)
+        assert all(1 <= len(r) <= 8 and (len(r) == 8 or r[-1] == stop) for r in ours)
+    exact = StaticBackend(model, [stop], batch=3).generate(prompts, Sampling(8, temperature, stop_at_eos=False), seed=3)
+    assert all(len(r) == 8 for r in exact)
 
 
 def test_chat_data_labels_only_the_regenerated_answers(chat_target, conversations_file, tmp_path):

@@ -192,6 +192,41 @@ class HFBackend:
         return out
 
 
+class StaticBackend:
+    """Continuous batching through this project's own plain decoding (`ar_generate_batch` over a
+    `StaticTarget`): at most `batch` rows in flight, a finished row's slot refilled from the waiting
+    prompts (sorted by length, so rows in flight are of similar lengths). linear_dtype: the StaticTarget's
+    products ("bfloat16": the target as the benchmark's bfloat16 rows run it)."""
+
+    def __init__(self, model, eos_ids: list[int], batch: int = 32, linear_dtype: str | None = None) -> None:
+        from dflash2.targets.static import StaticTarget
+
+        self.target, self.eos_ids, self.batch = StaticTarget(model, linear_dtype=linear_dtype), eos_ids, batch
+        self.progress: Callable[[int], Any] | None = None
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: Sampling, seed: int) -> list[list[int]]:
+        from dflash2.decoding.batch import ar_generate_batch
+
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for j, i in enumerate(order):
+            ids[j, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[j, width - len(prompts[i]):] = 1
+        s = sampling
+        results = ar_generate_batch(self.target, ids, mask, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                    top_k=s.top_k, top_p=s.top_p, stop_token_ids=self.eos_ids if s.stop_at_eos else None,
+                                    generator=torch.Generator().manual_seed(seed), concurrency=self.batch)
+        out: list[list[int]] = [[] for _ in prompts]
+        for j, i in enumerate(order):
+            out[i] = results[j].new_tokens.tolist()
+        if self.progress is not None:
+            self.progress(len(prompts))
+        return out
+
+
 class VLLMBackend:
     """Offline `vllm.LLM(...).generate` in the interpreter `python` (one engine start per shard), through
     `dflash2.engines.vllm`; `tensor_parallel_size` spreads a large target over GPUs."""
