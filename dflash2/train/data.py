@@ -309,6 +309,9 @@ class SequenceData:
         parts = [datasets.load_from_disk(str(directory / f"shard_{i:05d}")) for i in range(info["shards"])]
         self.rows = datasets.concatenate_datasets(parts).with_format(None)
         self.recipe = _read_json(directory / "recipe.json")
+        self.directory = directory
+        ends = torch.tensor([len(p) for p in parts]).cumsum(0).tolist()
+        self.shard_bounds = list(zip([0] + ends[:-1], ends))  # each shard's rows [lo, hi)
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.targets.gguf import resolve_target
+from dflash2.targets.gguf import SMOLLM2, is_gguf, resolve_target
 from dflash2.decoding.checks import from_pretrained, looks_like_hub_id
 from dflash2.train.checkpoint import load_checkpoint, save_checkpoint
 from dflash2.drafter.model import DFlash2Drafter
@@ -71,6 +71,9 @@ class DataConfig:
     regen_batch: int = 32  # hf: rows per generate call; static: rows in flight
     regen_linear_dtype: str | None = None  # static: the StaticTarget's products (e.g. "bfloat16"; None: the model's)
     shard_size: int = 256  # sequences per shard on disk (the unit of resumption)
+    features: str | None = None  # a directory: the target's features cached once (dflash2.train.features); None: each step
+    feature_linear_dtype: str | None = None  # the cached features' products (e.g. "bfloat16"; None: the model's)
+    feature_dtype: str = "bfloat16"  # how the cached features are stored
     vllm_python: str | None = None  # vllm: the interpreter of a venv with vLLM (default: this one)
     tensor_parallel_size: int = 1  # vllm: GPUs per target
 
@@ -144,6 +147,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if d.backend not in ("hf", "static", "vllm"):
             raise ValueError(f"data.backend must be 'hf', 'static' or 'vllm', got {d.backend!r}")
+        if d.features is not None and self.soft_targets:
+            raise ValueError("soft_targets needs the target's last hidden state, which the feature cache does not hold")
+        if d.feature_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"data.feature_dtype must be float32, bfloat16 or float16, got {d.feature_dtype!r}")
         if d.regen_linear_dtype is not None and d.backend != "static":
             raise ValueError("data.regen_linear_dtype applies to the static backend only")
         for name in ("num_sequences", "prompt_tokens", "new_tokens", "regen_batch", "shard_size", "max_length",
@@ -205,8 +212,8 @@ def load_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
 def data_recipe(cfg: TrainConfig) -> dict[str, Any]:
     """Every field that changes the regenerated data (checked when a dataset directory is reused)."""
     d = dataclasses.asdict(cfg.data)
-    for name in ("cache", "vllm_python", "tensor_parallel_size"):  # where and how, not what
-        d.pop(name)
+    for name in ("cache", "vllm_python", "tensor_parallel_size", "features", "feature_linear_dtype", "feature_dtype"):
+        d.pop(name)  # where and how, and the features (a recipe of their own)
     if d["regen_linear_dtype"] is None:  # the model's own arithmetic (the recipe as written before the field existed)
         d.pop("regen_linear_dtype")
     if cfg.data.dataset is None:  # fixed-length prompts: the conversation fields change nothing
@@ -287,7 +294,9 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
         return out
 
     recipe = data_recipe(cfg)
-    done_before = sum(1 for p in directory.glob("shard_*") if p.is_dir()) if directory.is_dir() else 0
+    stored = directory / "recipe.json"
+    same = stored.is_file() and json.loads(stored.read_text()) == json.loads(json.dumps(recipe))  # else build starts over
+    done_before = sum(1 for p in directory.glob("shard_*") if p.is_dir()) if same else 0
     if done_before and not (directory / "complete.json").is_file():
         bar.update(sum(answers[: done_before * d.shard_size]))
         log(f"data: resuming after {done_before} written shards")
@@ -461,7 +470,15 @@ class Run:
         data = SequenceData(directory)
         if data.recipe != json.loads(json.dumps(data_recipe(self.cfg))):
             raise ValueError(f"{directory} was regenerated with a different data recipe: {data.recipe}")
-        self.data = data
+        self.data, self.features = data, None
+        if self.cfg.data.features is not None:
+            from dflash2.train.features import FeatureCache
+
+            if self.rank == 0:
+                cache_features(self.cfg, self.target, directory, self.drafter.target_layer_ids, self.log)
+            if self.distributed:
+                dist.barrier()
+            self.features = FeatureCache(self.cfg.data.features, data, self.drafter.target_layer_ids)
         self.num_train = len(data) - self.cfg.eval_sequences
         if self.num_train < 1:
             raise ValueError(f"eval_sequences={self.cfg.eval_sequences} leaves none of the {len(data)} sequences to train on")
@@ -475,6 +492,10 @@ class Run:
         anchors, valid = sample_masked_anchors(label_mask, lengths, B, self.cfg.anchors_per_seq, generator)
         ids, label_mask = ids.to(self.device), label_mask.to(self.device)
         attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
+        if self.features is not None:  # cached once for the dataset
+            dtype = self.adapter.model.get_input_embeddings().weight.dtype
+            return (ids, self.features.batch(indices, ids.shape[1], dtype).to(self.device), anchors.to(self.device),
+                    valid.to(self.device), label_mask, None)
         with torch.no_grad():  # the frozen target: features of every position, its final hidden state
             t_out = self.adapter.model(input_ids=ids, attention_mask=attention, output_hidden_states=True,
                                        use_cache=False, logits_to_keep=1)
@@ -621,7 +642,30 @@ def prepare_data(cfg: TrainConfig, log=_stderr) -> Path:
         directory = cfg.data.resolved_cache(Path(cfg.out))
         if not (directory / "complete.json").is_file():
             regenerate(cfg, model.eval(), directory, log=log)
+        if cfg.data.features is not None:
+            torch.manual_seed(cfg.seed)
+            layer_ids = DFlash2Drafter.from_target(model, **cfg.drafter).target_layer_ids
+            cache_features(cfg, model, directory, layer_ids, log)
         return directory
+
+
+def cache_features(cfg: TrainConfig, model, data_dir: Path, layer_ids: tuple[int, ...], log=_stderr) -> Path:
+    """Build (or resume) the run's feature cache of the dataset in data_dir."""
+    from tqdm import tqdm
+
+    from dflash2.train.data import SequenceData
+    from dflash2.train.features import build_features, feature_recipe
+
+    d = cfg.data
+    data = SequenceData(data_dir)
+    directory = Path(d.features)
+    recipe = feature_recipe(cfg.target, layer_ids, model.config.hidden_size, d.feature_linear_dtype, d.feature_dtype,
+                            data.recipe)
+    done = sum(hi - lo for s, (lo, hi) in enumerate(data.shard_bounds) if (directory / f"shard_{s:05d}.pt").is_file())
+    if done < len(data):
+        log(f"features: layers {list(layer_ids)} of {len(data)} sequences into {directory}")
+    with tqdm(total=len(data), initial=done, desc="features", unit="seq", file=sys.stderr) as bar:
+        return build_features(directory, recipe, data_dir, model, bar.update)
 
 
 def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
@@ -831,7 +875,8 @@ def describe(cfg: TrainConfig) -> str:
     """What a run of `cfg` would do (the --dry-run output): the checks that need no model, and the plan."""
     from dflash2.config import DFlash2Config
 
-    if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target):
+    named = str(cfg.target) == SMOLLM2 or (is_gguf(cfg.target) and Path(cfg.target).is_file())  # resolved when loaded
+    if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target) and not named:
         raise FileNotFoundError(f"no such target directory: {cfg.target}")
     unknown = sorted(set(cfg.drafter) - {f.name for f in dataclasses.fields(DFlash2Config)})
     if unknown:
@@ -849,5 +894,8 @@ def describe(cfg: TrainConfig) -> str:
         f"dry run: the config is valid; a run would write {out}{resume}",
         f"  target {cfg.target}; drafter {cfg.drafter or 'defaults'}",
         f"  data {data}: {state}; {source} (backend {d.backend})",
+        *([] if d.features is None else [
+            f"  features {d.features}: " + ("present: reused (a partial one resumes)" if Path(d.features).is_dir() else
+                                            "absent: the target's, computed once before the first step")]),
         f"  {cfg.steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} anchors, lr {cfg.lr}, "
         f"checkpoint every {cfg.ckpt_every} steps; the drafter lands in {out / 'final'}"])
