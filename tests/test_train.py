@@ -239,3 +239,22 @@ def test_help_lists_every_config_key_with_its_default():
     for f in dataclasses.fields(DataConfig):
         assert f"\n  data.{f.name} = " in out.stdout, f.name
     assert "  data.backend = 'hf'  (who regenerates" in out.stdout  # with the comment beside the field
+
+
+def test_a_draft_vocabulary_run_drafts_among_the_datas_most_frequent_labels(target_dir, tmp_path):
+    from dflash2 import DFlash2Drafter, ar_generate, spec_generate
+    from dflash2.drafter.draft_vocab import most_frequent
+    from dflash2.train.data import SequenceData
+
+    out = tmp_path / "run"
+    train(load_config(None, overrides(target_dir, out, steps=2, draft_vocab=16, eval_sequences=2)))
+    data = SequenceData(out / "data")
+    labels = [t for ids, mask in zip(data.rows[:6]["input_ids"], data.rows[:6]["label_mask"]) for t, m in zip(ids, mask) if m]
+    drafter = DFlash2Drafter.from_pretrained(str(out / "final"))
+    assert torch.equal(drafter.draft_vocab, most_frequent(torch.bincount(torch.tensor(labels), minlength=64), 16))
+    target = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt = torch.tensor([[3, 9, 27, 5]])
+    got = spec_generate(drafter, target, prompt, max_new_tokens=24)
+    assert torch.equal(got.sequences, ar_generate(target, prompt, max_new_tokens=24).sequences)  # lossless, as ever
+    with pytest.raises(ValueError, match="draft_vocab"):
+        load_config(None, overrides(target_dir, out, draft_vocab=16, **{"drafter.draft_vocab_size": 16}))

@@ -352,3 +352,71 @@ def test_training_forward_equals_inference_forward_with_padding():
                                            rtol=0, atol=1e-10)
                 checked += 1
     assert checked > 10 and not valid.all()  # the short row pads its anchors
+
+
+def draft_vocab_losses(d, adapter, out, target_logits, gamma, alpha):
+    """The loss over a draft vocabulary, every logit materialised: cross-entropy over its tokens' logits,
+    nothing for a label outside it (never drafted), candidates among its tokens."""
+    vocab = d.draft_vocab
+    logits = d.draft_logits(out.hidden, adapter)[..., vocab]  # [N, A, L, V']
+    logp = logits.log_softmax(-1)
+    where = {int(t): i for i, t in enumerate(vocab)}
+    local = torch.tensor([[[where.get(int(t), -1) for t in row] for row in block] for block in out.labels])
+    inside = local >= 0
+    if target_logits is None:
+        per_pos = -logp.gather(-1, local.clamp_min(0)[..., None])[..., 0] * inside
+    else:
+        per_pos = -(target_logits[..., vocab].softmax(-1) * logp).sum(-1)
+    L = logits.shape[2]
+    w = torch.exp(-torch.arange(L, dtype=logits.dtype) / gamma) * out.weights
+    backbone = (per_pos * w).sum() / w.sum()
+    cand = vocab[logits.topk(d.config.selector_top_k, dim=-1).indices]
+    covered = (cand == out.labels[..., None]).any(-1)
+    cand = torch.where(covered[..., None], cand, torch.cat([cand[..., :-1], out.labels[..., None]], -1))
+    gold = (cand == out.labels[..., None]).double().argmax(-1)
+    full = d.draft_logits(out.hidden, adapter)
+    scores = full.gather(-1, cand) + d.candidate_selector.edge_scores(out.prev[..., None], out.hidden, cand)[..., 0, :]
+    ce = torch.nn.functional.cross_entropy(scores.reshape(-1, scores.shape[-1]), gold.reshape(-1), reduction="none")
+    selector = (ce * (out.weights * inside).reshape(-1)).sum() / out.weights.sum()
+    return backbone + alpha * selector
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["hard", "soft_targets"])
+def test_the_draft_vocabulary_loss_is_the_loss_over_its_tokens(soft):
+    """Trained over a draft vocabulary (the head's rows of its tokens only): the chunked loss and its
+    gradients equal the loss written out over those tokens; with every token in it, the plain loss."""
+    target = tiny_target("qwen3")
+    target.requires_grad_(False)
+    base = trained_looking_drafter(target, "two_tap", "walk", None)
+    V = base.config.vocab_size
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, MASK, (2, 30), generator=g)
+    label_mask = torch.rand(2, 30, generator=g) > 0.3
+    with torch.no_grad():
+        t_out = target(input_ids=ids, output_hidden_states=True)
+        feats = torch.cat([t_out.hidden_states[i + 1] for i in base.target_layer_ids], dim=-1)
+    anchors, valid = training.sample_masked_anchors(label_mask, torch.tensor([30, 30]), 5, 6, g)
+    half = torch.randperm(V, generator=g)[: V // 2].sort().values  # half of the labels fall outside it
+
+    def losses(d, full: bool):
+        adapter = TargetAdapter(target, d.target_layer_ids)
+        d.zero_grad()
+        out = masked_block_forward(d, adapter, ids, feats, anchors, label_mask=label_mask, valid=valid, logits=False)
+        N, A, L = out.labels.shape
+        pos = (anchors[:, :, None] + torch.arange(L)).reshape(N, -1)
+        t_hidden = t_out.hidden_states[-1].gather(1, pos[..., None].expand(-1, -1, 32)).view(N, A, L, -1) if soft else None
+        if full:
+            t_logits = t_out.logits.gather(1, pos[..., None].expand(-1, -1, V)).view(N, A, L, -1)
+            total = draft_vocab_losses(d, adapter, out, t_logits if soft else None, 4.0, 0.5)
+        else:
+            total = drafter_losses(d, adapter, out, gamma=4.0, target_hidden=t_hidden, selector_alpha=0.5, chunk=7).total
+        total.backward()
+        return total.detach(), {n: p.grad.clone() for n, p in d.named_parameters() if p.grad is not None}
+
+    d = base.with_draft_vocab(half)
+    (chunked, chunked_grads), (full, full_grads) = losses(d, False), losses(d, True)
+    torch.testing.assert_close(chunked, full, rtol=0, atol=1e-10)
+    for name in full_grads:
+        torch.testing.assert_close(chunked_grads[name], full_grads[name], rtol=0, atol=1e-10, msg=lambda m: f"{name}: {m}")
+    everything, plain = losses(base.with_draft_vocab(torch.arange(V)), False), losses(base, False)
+    torch.testing.assert_close(everything[0], plain[0], rtol=0, atol=1e-12)

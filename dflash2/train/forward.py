@@ -33,9 +33,9 @@ class BlockOutputs(NamedTuple):
     """hidden [N, A, L, H] (final-normed); labels [N, A, L]; prev [N, A, L] (the true token before each
     drafted position: the anchor, then the labels shifted by one); weights [N, A, L] (1 where the label
     counts: a real anchor, a label position inside the sequence that `label_mask` allows; else 0);
-    logits [N, A, L, V] when asked for (tests), else None: the loss computes them in chunks; anchor_state
-    [N, A, H]: the fused target feature of the position before each anchor (what a selector that reads
-    the round's context gets as RoundContext.anchor_state at inference)."""
+    logits [N, A, L, V] (V': over the draft vocabulary, if any) when asked for (tests), else None: the loss
+    computes them in chunks; anchor_state [N, A, H]: the fused target feature of the position before
+    each anchor (what a selector that reads the round's context gets as RoundContext.anchor_state at inference)."""
 
     hidden: Tensor
     labels: Tensor
@@ -145,8 +145,8 @@ def masked_block_forward(drafter: DFlash2Drafter, target: TargetAdapter, ids: Te
     weights = label_weights(anchors, B - 1, label_mask, valid)
     before = (anchors - 1)[..., None].expand(-1, -1, features.shape[-1])  # [N, A, F]: the last context position
     anchor_state = drafter.backbone.fuse(features.gather(1, before).to(drafter.backbone.fc.weight.dtype))
-    return BlockOutputs(hidden, labels, prev, weights, drafter.draft_logits(hidden, target) if logits else None,
-                        anchor_state)
+    logits_out = drafter.draft_logits(hidden, target, drafter.draft_vocab) if logits else None
+    return BlockOutputs(hidden, labels, prev, weights, logits_out, anchor_state)
 
 
 def position_weights(L: int, gamma: float | None, device=None, dtype: torch.dtype = torch.float32) -> Tensor:
@@ -226,28 +226,35 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     micro-batches of one step add up to the step's loss (gradient accumulation). `chunk` rows at a time
     (None: as many as LOSS_CHUNK_ELEMENTS logits allow)."""
     N, A, L, H = out.hidden.shape
-    V = target.vocab_size
+    vocab = drafter.draft_vocab  # [V'] token ids the head drafts among (None: all V): the loss is over them only
+    V = target.vocab_size if vocab is None else vocab.numel()
     if chunk is None:
         chunk = max(1, LOSS_CHUNK_ELEMENTS // V)
     K = min(drafter.config.selector_top_k, V)
     rows = out.hidden.reshape(-1, H)  # [M, H], M = N·A·L
     labels = out.labels.reshape(-1)
+    if vocab is not None:  # labels as indices into the draft vocabulary; -1 outside it (no loss: never drafted)
+        index = torch.full((target.vocab_size,), -1, dtype=torch.long, device=labels.device)
+        index[vocab] = torch.arange(V, device=labels.device)
+        labels = index[labels]
     t_rows = None if target_hidden is None else target_hidden.reshape(rows.shape[0], -1)
     top1_rows = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
     cand_rows = torch.zeros(rows.shape[0], K, dtype=torch.long, device=rows.device)
     log_z_rows = torch.zeros(rows.shape[0], device=rows.device)  # of the draft logits: the candidates' log-probabilities
 
     def row_loss(h: Tensor, s: slice) -> Tensor:
-        logits = _wide(drafter.draft_logits(h, target))
+        logits = _wide(drafter.draft_logits(h, target, vocab))
         logp = logits.log_softmax(-1)  # [m, V]
         with torch.no_grad():
             top1_rows[s] = logp.argmax(-1) == labels[s]
-            cand_rows[s] = logp.topk(K, dim=-1).indices
+            top = logp.topk(K, dim=-1).indices
+            cand_rows[s] = top if vocab is None else vocab[top]
             log_z_rows[s] = logits.float().logsumexp(-1)
         if t_rows is None:
-            return -logp.gather(-1, labels[s, None])[:, 0]
-        with torch.no_grad():
-            p = _wide(target.final_logits(t_rows[s])).softmax(-1)
+            return -logp.gather(-1, labels[s, None].clamp_min(0))[:, 0] * (labels[s] >= 0)
+        with torch.no_grad():  # the target's distribution (over the draft vocabulary: renormalised there)
+            t_logits = _wide(target.final_logits(t_rows[s]))
+            p = (t_logits if vocab is None else t_logits[:, vocab]).softmax(-1)
         return -(p * logp).sum(-1)
 
     own_head = [] if drafter.lm_head is None or not drafter.lm_head.weight.requires_grad else [drafter.lm_head.weight]
@@ -271,6 +278,7 @@ def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOut
     confidence = None
     sel = drafter.candidate_selector
     if selector_alpha > 0 and sel.trains_on_candidates:
+        m = m * (labels.view(N, A, L) >= 0)  # a label outside the draft vocabulary is never a candidate
         # gold in the last slot where the top-K missed it (for the loss only)
         cand = torch.where(covered[..., None], cand, torch.cat([cand[..., :-1], out.labels[..., None]], -1))
         gold = (cand == out.labels[..., None]).float().argmax(-1)  # [N, A, L]

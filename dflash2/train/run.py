@@ -91,6 +91,7 @@ class TrainConfig:
     out: str = "runs/drafter"
     init: str | None = None  # a drafter directory to start from (fine-tuning; it may have fewer layers); None: random
     drafter: dict[str, Any] = field(default_factory=dict)  # DFlash2Config fields
+    draft_vocab: int | None = None  # the head drafts among the N most frequent label tokens of the data, trained over those
     data: DataConfig = field(default_factory=DataConfig)
     steps: int = 100
     batch_size: int = 8  # sequences per step, over all ranks
@@ -147,6 +148,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if d.backend not in ("hf", "static", "vllm"):
             raise ValueError(f"data.backend must be 'hf', 'static' or 'vllm', got {d.backend!r}")
+        if self.draft_vocab is not None and "draft_vocab_size" in self.drafter:
+            raise ValueError("give the draft vocabulary as draft_vocab (its tokens are the data's most frequent), "
+                             "not drafter.draft_vocab_size")
         if d.features is not None and self.soft_targets:
             raise ValueError("soft_targets needs the target's last hidden state, which the feature cache does not hold")
         if d.feature_dtype not in ("float32", "bfloat16", "float16"):
@@ -337,7 +341,9 @@ class TrainStep(nn.Module):
         """[N, A] tokens a greedy verifier would accept per block (see `accepted_lengths`)."""
         out = masked_block_forward(self.drafter, self._target, ids, features, anchors, label_mask=label_mask,
                                    valid=valid, logits=False)
-        top1 = self.drafter.draft_logits(out.hidden, self._target).argmax(-1) == out.labels
+        vocab = self.drafter.draft_vocab  # None: every token id
+        top = self.drafter.draft_logits(out.hidden, self._target, vocab).argmax(-1)
+        top1 = (top if vocab is None else vocab[top]) == out.labels
         return accepted_lengths(top1, out.weights)
 
 
@@ -429,7 +435,8 @@ class Run:
         self.target = self.target.to(self.device).eval()
         self.target.requires_grad_(False)
         torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
-        drafter = DFlash2Drafter.from_target(self.target, **cfg.drafter).to(getattr(torch, cfg.dtype)).train()
+        drafter = DFlash2Drafter.from_target(self.target, **cfg.drafter, draft_vocab_size=cfg.draft_vocab)
+        drafter = drafter.to(getattr(torch, cfg.dtype)).train()  # (the draft vocabulary's ids: load_data)
         if cfg.init:  # a fine-tune continues the given drafter (optimiser fresh); only depth may grow
             drafter.load_state_dict(_init_state(cfg.init, drafter))
         drafter.backbone.gradient_checkpointing = cfg.gradient_checkpointing
@@ -482,6 +489,15 @@ class Run:
         self.num_train = len(data) - self.cfg.eval_sequences
         if self.num_train < 1:
             raise ValueError(f"eval_sequences={self.cfg.eval_sequences} leaves none of the {len(data)} sequences to train on")
+        if self.cfg.draft_vocab is not None:  # the most frequent labels of the training split (a resume: the same)
+            from dflash2.drafter.draft_vocab import coverage, most_frequent
+
+            labels = [t for ids, mask in zip(data.rows[: self.num_train]["input_ids"], data.rows[: self.num_train]["label_mask"])
+                      for t, m in zip(ids, mask) if m]
+            counts = torch.bincount(torch.tensor(labels), minlength=self.drafter.config.vocab_size)
+            self.drafter.draft_vocab.copy_(most_frequent(counts, self.cfg.draft_vocab).to(self.drafter.draft_vocab.device))
+            self.log(f"draft vocabulary: the {self.cfg.draft_vocab} most frequent label tokens, "
+                     f"{coverage(counts, self.drafter.draft_vocab.cpu()):.2%} of the training labels")
         pad = self.target.config.pad_token_id
         self.pad_id = pad if pad is not None else 0
 
