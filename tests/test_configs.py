@@ -12,7 +12,7 @@ from dflash2.bench import BenchConfig
 from dflash2.bench.config import VLLM_METHODS
 from dflash2.config import DFlash2Config
 from dflash2.overrides import load_yaml_with_overrides
-from dflash2.train.run import load_config
+from dflash2.train.config import load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").rglob("*.yaml"))
 

@@ -141,7 +141,7 @@ def test_under_torchrun_itself_the_checkpoint_is_written_and_every_rank_stops(ta
 def test_a_repeated_signal_within_the_window_is_the_same_request(monkeypatch):
     """torchrun's agent forwards the Ctrl-C its workers got from the terminal too: a worker sees two in a row.
     The second must not cut the step's checkpoint short; one after the window stops at once."""
-    import dflash2.train.run as run
+    import dflash2.train.signals as run
 
     monkeypatch.setattr(run, "REPEAT_S", 0.5)
     signals = {"defer": 1, "signum": None}
@@ -161,7 +161,7 @@ def test_once_the_stop_is_agreed_no_signal_breaks_into_it(monkeypatch):
     stopped the run, on a loaded machine): a rank still in its checkpoint, barrier or process group's
     teardown must finish them, not raise out of them (which left torch's threads to abort the process
     at exit, code -6, and the launcher to report a failure)."""
-    import dflash2.train.run as run
+    import dflash2.train.signals as run
 
     monkeypatch.setattr(run, "REPEAT_S", 0.1)
     signals = {"defer": 1, "signum": signal.SIGTERM, "at": time.monotonic() - 1.0, "stopping": 1}

@@ -52,7 +52,7 @@ def _argv(command: str, vllm_python: str) -> list[str]:
 
 
 def _run_main(module: str, args: list[str]) -> tuple[int, str]:
-    main = importlib.import_module(module if module != "dflash2.train" else "dflash2.train.run").main
+    main = importlib.import_module(module if module != "dflash2.train" else "dflash2.train.cli").main
     err = io.StringIO()
     with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
         try:

@@ -167,7 +167,7 @@ def test_a_chat_trained_drafter_with_a_raw_prompt_is_warned_about(tmp_path):
 
 @pytest.mark.parametrize("chat", [False, True])
 def test_a_finished_training_run_says_where_the_drafter_is_and_how_to_use_it(chat, tmp_path, capsys):
-    from dflash2.train.run import main
+    from dflash2.train.cli import main
     from tests.helpers import MASK, tiny_target
 
     if chat:  # a chat .jsonl through the embedded target's chat template

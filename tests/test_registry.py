@@ -156,7 +156,8 @@ def test_a_config_names_a_selector_of_the_users_own_package_in_a_fresh_process(t
 
 
 def test_a_selector_with_parameters_trains_by_name_through_a_training_config(tmp_path, monkeypatch):
-    from dflash2.train.run import load_config, train
+    from dflash2.train.config import load_config
+    from dflash2.train.run import train
 
     class Scaled(torch.nn.Module):  # protocol members only; one parameter, trained through edge_scores
         trains_on_candidates = True

@@ -16,7 +16,8 @@ import transformers
 from safetensors.torch import load_file
 
 from dflash2.train.checkpoint import load_checkpoint
-from dflash2.train.run import TrainConfig, load_config, train
+from dflash2.train.config import TrainConfig, load_config
+from dflash2.train.run import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -93,7 +94,7 @@ def test_resume_after_a_kill_matches_an_uninterrupted_run(target_dir, tmp_path):
 
 
 def test_resuming_with_another_config_is_refused(target_dir, tmp_path):
-    from dflash2.train.run import main
+    from dflash2.train.cli import main
 
     args = overrides(target_dir, tmp_path / "run", steps=4)
     train(load_config(None, args), stop_after=2)
@@ -173,7 +174,7 @@ def test_init_starts_from_the_given_drafter(target_dir, tmp_path):
 
 def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
     from dflash2 import DFlash2Drafter
-    from dflash2.train.run import main
+    from dflash2.train.cli import main
 
     args = overrides(target_dir, tmp_path / "run", steps=4)
     assert main([*args, "--export", str(tmp_path / "none")]) == 2  # no checkpoint yet: one-line error
@@ -188,7 +189,7 @@ def test_export_writes_the_last_checkpoint_as_a_drafter(target_dir, tmp_path):
 
 
 def test_data_regeneration_resumes_after_an_interruption(target_dir, tmp_path):
-    from dflash2.train.run import regenerate
+    from dflash2.train.prepare import regenerate
     from dflash2.train.data import HFBackend, SequenceData
 
     cfg = load_config(None, overrides(target_dir, tmp_path / "run", **{"data.num_sequences": 8, "data.temperature": 1.0,
@@ -231,7 +232,7 @@ def test_help_lists_every_config_key_with_its_default():
     assert out.returncode == 0
     import dataclasses
 
-    from dflash2.train.run import DataConfig
+    from dflash2.train.config import DataConfig
 
     for f in dataclasses.fields(TrainConfig):
         if f.name != "data":

@@ -17,7 +17,8 @@ from safetensors.torch import load_file
 
 from dflash2.train.checkpoint import load_checkpoint
 from dflash2.embedded import embedded_path
-from dflash2.train.run import load_config, train
+from dflash2.train.config import load_config
+from dflash2.train.run import train
 from dflash2.train.data import (Conversation, HFBackend, Sampling, SequenceData, StaticBackend, load_conversations, parse_row,
                                 render)
 
@@ -195,6 +196,7 @@ def self_stopping_run(args: list[str], at_step: int, how: str) -> subprocess.Com
     code = (
         "import os, signal, sys\n"
         "import dflash2.train.run as t\n"
+        "from dflash2.train.cli import main\n"
         "step = t.Run.train_step\n"
         "def stopping(self, s):\n"
         "    out = step(self, s)\n"
@@ -202,7 +204,7 @@ def self_stopping_run(args: list[str], at_step: int, how: str) -> subprocess.Com
         f"        os.kill(os.getpid(), signal.{how})\n"
         "    return out\n"
         "t.Run.train_step = stopping\n"
-        "sys.exit(t.main(sys.argv[1:]))\n"
+        "sys.exit(main(sys.argv[1:]))\n"
     )
     env = dict(os.environ, TQDM_DISABLE="1")
     return subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True, env=env,
@@ -247,8 +249,8 @@ def test_a_signal_during_regeneration_exits_cleanly_and_keeps_the_shards(chat_ta
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return gen(self, *a, **k)\n"
         "td.HFBackend.generate = dying\n"
-        "import dflash2.train.run as t\n"
-        "sys.exit(t.main(sys.argv[1:]))\n"
+        "from dflash2.train.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
     )
     args = chat_overrides(chat_target, conversations_file, tmp_path / "run")
     proc = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, capture_output=True, text=True,
@@ -325,7 +327,7 @@ def vllm_python() -> str | None:
 @pytest.mark.skipif(vllm_python() is None, reason="vLLM is not installed here (set DFLASH2_VLLM_PYTHON to a venv's "
                                                   "python that has it)")
 def test_the_vllm_backend_regenerates_what_the_hf_backend_does(chat_target, conversations_file, tmp_path):
-    from dflash2.train.run import regenerate
+    from dflash2.train.prepare import regenerate
 
     rows = {}
     for backend in ("hf", "vllm"):

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash2.train.run import Run, load_config, prepare_data
+from dflash2.train.config import load_config
+from dflash2.train.prepare import prepare_data
+from dflash2.train.run import Run
 from dflash2.train.data import SequenceData
 from dflash2.train.features import FeatureCache, build_features
 from tests import test_train

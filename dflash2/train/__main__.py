@@ -1,7 +1,7 @@
 import os
 import sys
 
-from dflash2.train.run import main
+from dflash2.train.cli import main
 
 if __name__ == "__main__":
     code = main()

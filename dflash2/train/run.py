@@ -21,293 +21,29 @@ drafter directory (evaluate a long run while it trains).
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import math
 import os
 import signal
-import sys
 import time
-from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.targets.gguf import SMOLLM2, is_gguf, resolve_target
 from dflash2.decoding.checks import from_pretrained, looks_like_hub_id
-from dflash2.train.checkpoint import load_checkpoint, save_checkpoint
 from dflash2.drafter.model import DFlash2Drafter
-from dflash2.overrides import load_yaml_with_overrides
 from dflash2.targets.adapter import TargetAdapter
+from dflash2.targets.gguf import resolve_target
+from dflash2.train.checkpoint import load_checkpoint, save_checkpoint
+from dflash2.train.config import TrainConfig, data_recipe
 from dflash2.train.forward import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
-                       masked_block_forward, position_weights, sample_masked_anchors)
-
-
-@dataclass
-class DataConfig:
-    prompts: str = "random"  # fixed-length prompts: a .pt file holding a list of token-id lists, or "random"
-    num_sequences: int = 64  # fixed-length prompts: how many
-    prompt_tokens: int = 16  # fixed-length prompts: their length
-    new_tokens: int = 48  # fixed-length prompts: exactly this many (past EOS); conversations: at most, per answer
-    temperature: float = 0.0  # of the target when it regenerates the responses
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    cache: str | None = None  # the dataset directory (default <out>/data); runs can share it
-    dataset: str | list[str] | None = None  # conversations (replaces `prompts`): .jsonl / .json / .parquet files or hub ids
-    split: str = "train"  # of a hub dataset
-    subset: str | None = None  # of a hub dataset (its config name)
-    max_conversations: int | None = None  # the first N conversations (None: all)
-    system_prompt: str | None = None  # for conversations without a system message
-    enable_thinking: bool | None = None  # passed to the chat template when set (Qwen3-style thinking switch)
-    tokenizer: str | None = None  # whose chat template renders the conversations (default: the target's)
-    max_length: int = 4096  # conversations: a sequence is cut at this many tokens
-    backend: str = "hf"  # who regenerates: "hf" (batched generate here), "static" (our plain decoding, continuous
-    # batching over a StaticTarget: several times faster on CPU) or "vllm" (offline vLLM engine)
-    regen_batch: int = 32  # hf: rows per generate call; static: rows in flight
-    regen_linear_dtype: str | None = None  # static: the StaticTarget's products (e.g. "bfloat16"; None: the model's)
-    shard_size: int = 256  # sequences per shard on disk (the unit of resumption)
-    features: str | None = None  # a directory: the target's features cached once (dflash2.train.features); None: each step
-    feature_linear_dtype: str | None = None  # the cached features' products (e.g. "bfloat16"; None: the model's)
-    feature_dtype: str = "bfloat16"  # how the cached features are stored
-    vllm_python: str | None = None  # vllm: the interpreter of a venv with vLLM (default: this one)
-    tensor_parallel_size: int = 1  # vllm: GPUs per target
-
-    def resolved_cache(self, out: Path) -> Path:
-        """The dataset directory (an older config's `.pt` name means the directory without the suffix)."""
-        if not self.cache:
-            return out / "data"
-        path = Path(self.cache)
-        return path.with_suffix("") if path.suffix == ".pt" else path
-
-
-@dataclass
-class TrainConfig:
-    target: str = ""  # HF causal LM directory or hub id
-    out: str = "runs/drafter"
-    init: str | None = None  # a drafter directory to start from (fine-tuning; it may have fewer layers); None: random
-    drafter: dict[str, Any] = field(default_factory=dict)  # DFlash2Config fields
-    draft_vocab: int | None = None  # the head drafts among the N most frequent label tokens of the data, trained over those
-    data: DataConfig = field(default_factory=DataConfig)
-    steps: int = 100
-    batch_size: int = 8  # sequences per step, over all ranks
-    grad_accum: int = 1  # micro-batches per step on each rank (the step's loss and gradient are unchanged)
-    anchors_per_seq: int = 8
-    lr: float = 6e-4
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    gamma: float | None = None  # position decay; None: 7 for B=16, 4 for B=8, B/2 otherwise
-    soft_targets: bool = False
-    selector_alpha: float = 0.1
-    confidence_alpha: float = 0.1  # weight of the confidence head's loss (drafters with one: DSpark's)
-    seed: int = 0
-    ckpt_every: int = 50
-    dtype: str = "float32"  # of the drafter's weights (and the target's, unless target_dtype is set)
-    target_dtype: str | None = None  # of the frozen target (e.g. bfloat16 beside a float32 drafter)
-    autocast: str = "auto"  # "auto": bfloat16 autocast on CUDA, none on CPU; "bf16"; "none"
-    gradient_checkpointing: bool = False  # recompute each drafter layer in the backward pass
-    parallel: str = "ddp"  # under torchrun: "ddp" (replicas) or "fsdp" (sharded parameters and optimizer)
-    loss_chunk: int | None = None  # rows whose [rows, V] logits are alive at once in the loss (None: 2^24 / V)
-    eval_every: int = 0  # steps between held-out τ estimates (0: none)
-    eval_sequences: int = 0  # the last N sequences of the data, never trained on
-
-    def __post_init__(self) -> None:
-        if isinstance(self.data, dict):
-            unknown = sorted(set(self.data) - {f.name for f in dataclasses.fields(DataConfig)})
-            if unknown:
-                raise ValueError(f"unknown data keys {unknown}; known: {sorted(f.name for f in dataclasses.fields(DataConfig))}")
-            self.data = DataConfig(**self.data)
-        # YAML 1.1 reads "6e-4" (no dot) as a string: accept it as the number it means
-        for name in ("lr", "warmup_ratio", "weight_decay", "selector_alpha", "confidence_alpha", "gamma"):
-            value = getattr(self, name)
-            if value is not None:
-                try:
-                    setattr(self, name, float(value))
-                except (TypeError, ValueError):
-                    raise ValueError(f"{name} must be a number, got {value!r}") from None
-        d = self.data
-        d.temperature, d.top_p = float(d.temperature), float(d.top_p)
-        if not self.target:
-            raise ValueError("config needs `target`: an HF causal LM directory or hub id")
-        for name in ("steps", "batch_size", "anchors_per_seq", "ckpt_every", "grad_accum"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.loss_chunk is not None and self.loss_chunk < 1:
-            raise ValueError(f"loss_chunk must be >= 1 or null, got {self.loss_chunk}")
-        for name in ("eval_every", "eval_sequences"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        choices = dict(dtype=("float32", "float64", "bfloat16"), target_dtype=(None, "float32", "float64", "bfloat16"),
-                       autocast=("auto", "bf16", "none"), parallel=("ddp", "fsdp"))
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if d.backend not in ("hf", "static", "vllm"):
-            raise ValueError(f"data.backend must be 'hf', 'static' or 'vllm', got {d.backend!r}")
-        if self.draft_vocab is not None and "draft_vocab_size" in self.drafter:
-            raise ValueError("give the draft vocabulary as draft_vocab (its tokens are the data's most frequent), "
-                             "not drafter.draft_vocab_size")
-        if d.features is not None and self.soft_targets:
-            raise ValueError("soft_targets needs the target's last hidden state, which the feature cache does not hold")
-        if d.feature_dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"data.feature_dtype must be float32, bfloat16 or float16, got {d.feature_dtype!r}")
-        if d.regen_linear_dtype is not None and d.backend != "static":
-            raise ValueError("data.regen_linear_dtype applies to the static backend only")
-        for name in ("num_sequences", "prompt_tokens", "new_tokens", "regen_batch", "shard_size", "max_length",
-                     "tensor_parallel_size"):
-            if getattr(d, name) < 1:
-                raise ValueError(f"data.{name} must be >= 1, got {getattr(d, name)}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-def config_reference() -> str:
-    """Every config key with its default and the comment beside its field, for --help."""
-    import inspect
-    import re
-
-    def notes(cls) -> dict[str, str]:
-        found = re.findall(r"^    (\w+): [^=\n]+=[^#\n]*#\s*(.+)$", inspect.getsource(cls), flags=re.M)
-        return dict(found)
-
-    lines = []
-    for cls, prefix in ((TrainConfig, ""), (DataConfig, "data.")):
-        comments = notes(cls)
-        for f in dataclasses.fields(cls):
-            if f.name != "data":
-                note = comments.get(f.name, "")
-                lines.append(f"  {prefix + f.name} = {_default(f)!r}" + (f"  ({note})" if note else ""))
-    return "\n".join(lines)
-
-
-def _default(f: dataclasses.Field) -> Any:
-    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-
-
-def _rank() -> int:
-    """This process's rank under torchrun or --nproc-per-node (0 alone)."""
-    return int(os.environ.get("RANK", "0"))
-
-
-def _world() -> int:
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def _stderr(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-# -- config files and overrides --------------------------------------------------------------------
-def load_config(path: str | Path | None, overrides: list[str]) -> TrainConfig:
-    raw = load_yaml_with_overrides(path, overrides)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"unknown config keys {unknown}; known: {sorted(known)}")
-    return TrainConfig(**raw)
-
-
-# -- data: responses regenerated by the target -------------------------------------------------------
-def data_recipe(cfg: TrainConfig) -> dict[str, Any]:
-    """Every field that changes the regenerated data (checked when a dataset directory is reused)."""
-    d = dataclasses.asdict(cfg.data)
-    for name in ("cache", "vllm_python", "tensor_parallel_size", "features", "feature_linear_dtype", "feature_dtype"):
-        d.pop(name)  # where and how, and the features (a recipe of their own)
-    if d["regen_linear_dtype"] is None:  # the model's own arithmetic (the recipe as written before the field existed)
-        d.pop("regen_linear_dtype")
-    if cfg.data.dataset is None:  # fixed-length prompts: the conversation fields change nothing
-        for name in ("dataset", "split", "subset", "max_conversations", "system_prompt", "enable_thinking",
-                     "tokenizer", "max_length"):
-            d.pop(name)
-    else:
-        for name in ("prompts", "num_sequences", "prompt_tokens"):
-            d.pop(name)
-    return dict(d, target=cfg.target, seed=cfg.seed)
-
-
-def fixed_prompts(cfg: TrainConfig, vocab: int) -> list[list[int]]:
-    d = cfg.data
-    g = torch.Generator().manual_seed(cfg.seed)
-    if d.prompts == "random":
-        return torch.randint(0, vocab, (d.num_sequences, d.prompt_tokens), generator=g).tolist()
-    if not Path(d.prompts).is_file():
-        build = " (python experiments/embedded/build_prompts.py writes it)" if "embedded" in d.prompts else ""
-        raise FileNotFoundError(f"no such prompts file: {d.prompts}{build}")
-    pool = [p for p in torch.load(d.prompts) if len(p) >= d.prompt_tokens]
-    if not pool:
-        raise ValueError(f"{d.prompts} holds no prompt of at least {d.prompt_tokens} tokens")
-    pick = torch.randint(0, len(pool), (d.num_sequences,), generator=g).tolist()
-    return [list(pool[i][: d.prompt_tokens]) for i in pick]
-
-
-def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_stderr) -> Path:
-    """Write the run's dataset directory (see `dflash2.train.data`); returns it. Resumes a partial one."""
-    from tqdm import tqdm
-
-    from dflash2.train import data as td
-
-    d = cfg.data
-    eos = target.generation_config.eos_token_id if target.generation_config is not None else None
-    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
-    if not eos_ids and target.config.eos_token_id is not None:
-        eos_ids = [target.config.eos_token_id]
-    pad_id = target.config.pad_token_id if target.config.pad_token_id is not None else (eos_ids or [0])[0]
-    sampling = td.Sampling(d.new_tokens, d.temperature, d.top_p, d.top_k, stop_at_eos=d.dataset is not None)
-    tokenizer = None
-    if d.dataset is not None:
-        from transformers import AutoTokenizer
-
-        source = d.tokenizer or resolve_target(cfg.target)
-        tokenizer = from_pretrained(AutoTokenizer.from_pretrained, source)
-        td.check_chat_template(tokenizer, source)
-        jobs: list = td.load_conversations(d.dataset, d.split, d.subset, d.max_conversations, d.system_prompt)
-        if not eos_ids and tokenizer.eos_token_id is not None:
-            eos_ids = [tokenizer.eos_token_id]
-    else:
-        jobs = fixed_prompts(cfg, target.get_input_embeddings().weight.shape[0])
-    if backend is None:
-        if d.backend == "vllm":
-            longest = d.max_length if d.dataset is not None else d.prompt_tokens + d.new_tokens
-            limit = getattr(target.config.get_text_config(), "max_position_embeddings", None) or longest
-            backend = td.VLLMBackend(d.vllm_python or sys.executable, cfg.target, d.tokenizer, eos_ids,
-                                     cfg.target_dtype or cfg.dtype,
-                                     min(longest, limit), d.tensor_parallel_size)
-        elif d.backend == "static":
-            backend = td.StaticBackend(target, eos_ids, d.regen_batch, d.regen_linear_dtype)
-        else:
-            backend = td.HFBackend(target, eos_ids, pad_id, d.regen_batch)
-    what = f"{len(jobs)} conversations of {d.dataset}" if d.dataset else f"{len(jobs)} prompts"
-    log(f"data: regenerating {what} with the {d.backend} backend into {directory}")
-    answers = [len(c.turns) for c in jobs] if d.dataset is not None else [1] * len(jobs)  # generate calls' rows
-    bar = tqdm(total=sum(answers), desc="data", unit="answer", file=sys.stderr)
-    backend.progress = bar.update
-
-    def make_shard(i: int, shard: list):
-        seed = cfg.seed * 1_000_003 + i  # this shard's draws, whatever ran before
-        if d.dataset is not None:
-            out = td.chat_shard(backend, tokenizer, shard, sampling, seed, d.max_length, d.enable_thinking)
-        else:
-            out = td.fixed_shard(backend, shard, d.new_tokens, sampling, seed)
-        bar.n = sum(answers[: (i + 1) * d.shard_size])  # exact at every shard, whatever the backend reported
-        bar.refresh()
-        return out
-
-    recipe = data_recipe(cfg)
-    stored = directory / "recipe.json"
-    same = stored.is_file() and json.loads(stored.read_text()) == json.loads(json.dumps(recipe))  # else build starts over
-    done_before = sum(1 for p in directory.glob("shard_*") if p.is_dir()) if same else 0
-    if done_before and not (directory / "complete.json").is_file():
-        bar.update(sum(answers[: done_before * d.shard_size]))
-        log(f"data: resuming after {done_before} written shards")
-    try:
-        return td.build(directory, recipe, jobs, d.shard_size, make_shard)
-    finally:
-        bar.close()
+                                   masked_block_forward, position_weights, sample_masked_anchors)
+from dflash2.train.prepare import cache_features, regenerate
+from dflash2.train.signals import Interrupted, _rank, _stderr, _world, stop_signals
 
 
 # -- one training step ---------------------------------------------------------------------------------
@@ -366,45 +102,6 @@ def batch_indices(step: int, cfg: TrainConfig, num_sequences: int, rank: int, wo
         order = torch.cat([order, nxt])
     chosen = order[offset: offset + per_step]
     return chosen[rank::world]
-
-
-class Interrupted(Exception):
-    """SIGINT or SIGTERM arrived; `signum` says which."""
-
-    def __init__(self, signum: int, message: str = "") -> None:
-        super().__init__(message or signal.Signals(signum).name)
-        self.signum = signum
-
-
-@contextmanager
-def stop_signals(deferred: dict[str, int | None]) -> Iterator[None]:
-    """SIGINT / SIGTERM: when deferred["defer"] is set, remember the signal in deferred["signum"] (the
-    training loop stops at the end of the step it is in); otherwise, or at a second signal, raise
-    Interrupted at once (the data regeneration: shards are written atomically). A repeat within
-    REPEAT_S of the first is the same request delivered twice (under torchrun a worker gets Ctrl-C from
-    the terminal and again from the launcher, which forwards it), not a second one. Once
-    deferred["stopping"] is set (the stop agreed), every signal is ignored."""
-
-    def handler(signum, frame):
-        if deferred.get("stopping"):  # a stop agreed: the checkpoint and the ranks' leaving are under way
-            return
-        if deferred.get("defer"):
-            if deferred.get("signum") is None:
-                deferred["signum"], deferred["at"] = signum, time.monotonic()
-                return
-            if time.monotonic() - deferred["at"] < REPEAT_S:
-                return
-        raise Interrupted(signum)
-
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
-
-
-REPEAT_S = 2.0
 
 
 # -- the run ------------------------------------------------------------------------------------------
@@ -646,44 +343,6 @@ def _merge(acc: dict[str, Any], new: dict[str, Any], n: int) -> dict[str, Any]:
     return out
 
 
-def prepare_data(cfg: TrainConfig, log=_stderr) -> Path:
-    """Regenerate (or resume) the run's dataset and nothing else: no drafter, no optimiser. Returns its directory."""
-    from transformers import AutoModelForCausalLM
-
-    with stop_signals({"defer": 0}):
-        target = resolve_target(cfg.target)
-        if not Path(target).is_dir() and not looks_like_hub_id(target):
-            raise FileNotFoundError(f"no such target directory: {cfg.target}")
-        model = from_pretrained(AutoModelForCausalLM.from_pretrained, target, dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
-        directory = cfg.data.resolved_cache(Path(cfg.out))
-        if not (directory / "complete.json").is_file():
-            regenerate(cfg, model.eval(), directory, log=log)
-        if cfg.data.features is not None:
-            torch.manual_seed(cfg.seed)
-            layer_ids = DFlash2Drafter.from_target(model, **cfg.drafter).target_layer_ids
-            cache_features(cfg, model, directory, layer_ids, log)
-        return directory
-
-
-def cache_features(cfg: TrainConfig, model, data_dir: Path, layer_ids: tuple[int, ...], log=_stderr) -> Path:
-    """Build (or resume) the run's feature cache of the dataset in data_dir."""
-    from tqdm import tqdm
-
-    from dflash2.train.data import SequenceData
-    from dflash2.train.features import build_features, feature_recipe
-
-    d = cfg.data
-    data = SequenceData(data_dir)
-    directory = Path(d.features)
-    recipe = feature_recipe(cfg.target, layer_ids, model.config.hidden_size, d.feature_linear_dtype, d.feature_dtype,
-                            data.recipe)
-    done = sum(hi - lo for s, (lo, hi) in enumerate(data.shard_bounds) if (directory / f"shard_{s:05d}.pt").is_file())
-    if done < len(data):
-        log(f"features: layers {list(layer_ids)} of {len(data)} sequences into {directory}")
-    with tqdm(total=len(data), initial=done, desc="features", unit="seq", file=sys.stderr) as bar:
-        return build_features(directory, recipe, data_dir, model, bar.update)
-
-
 def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
     from tqdm import tqdm
 
@@ -778,140 +437,11 @@ def export_checkpoint(cfg: TrainConfig, directory: str | Path) -> int:
         raise FileNotFoundError(f"{Path(cfg.out) / 'ckpt.pt'} does not exist: the run has no checkpoint yet")
     from transformers import AutoModelForCausalLM
 
-    target = from_pretrained(AutoModelForCausalLM.from_pretrained, cfg.target, dtype=getattr(torch, cfg.dtype))
-    drafter = DFlash2Drafter.from_target(target, **cfg.drafter)
+    target = from_pretrained(AutoModelForCausalLM.from_pretrained, resolve_target(cfg.target), dtype=getattr(torch, cfg.dtype))
+    drafter = DFlash2Drafter.from_target(target, **cfg.drafter, draft_vocab_size=cfg.draft_vocab)
     drafter.load_state_dict(state["drafter"])
     directory = Path(directory)
     drafter.save_pretrained(directory)
     record = {**cfg.to_dict(), "exported_step": state["step"]}
     (directory / "train_config.json").write_text(json.dumps(record, indent=2) + "\n")
     return state["step"]
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m dflash2.train", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter,
-                                epilog="config keys (YAML or dotted.key=value) and their defaults:\n" + config_reference())
-    p.add_argument("--config", type=Path, help="YAML of config keys (default: none; the overrides alone)")
-    p.add_argument("--stop-after", type=int, help="stop (checkpointed) after this many more steps (default: run to `steps`)")
-    p.add_argument("--export", type=Path, metavar="DIR",
-                   help="train nothing: write the run's last checkpoint as a drafter directory DIR")
-    p.add_argument("--nproc-per-node", type=int, metavar="N",
-                   help="train with N processes on this machine (parallel: ddp or fsdp), launched like torchrun "
-                        "--standalone; Ctrl-C or SIGTERM: one line, a checkpoint at the step reached, every process "
-                        "gone, exit 130 / 143")
-    p.add_argument("--data-only", action="store_true",
-                   help="regenerate (or resume) the dataset and stop; a signal stops it between shards' writes")
-    p.add_argument("--dry-run", action="store_true",
-                   help="check the config and say what a run would do (data, steps, where), then stop: nothing loaded")
-    p.add_argument("overrides", nargs="*", help="dotted.key=value, e.g. steps=200 drafter.block_size=8")
-    args = p.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.dry_run:
-            print(describe(cfg))
-            return 0
-        if args.nproc_per_node is not None and "LOCAL_RANK" not in os.environ:  # the launcher, not a worker
-            if args.nproc_per_node < 1:
-                raise ValueError(f"--nproc-per-node must be >= 1, got {args.nproc_per_node}")
-            forwarded = list(argv if argv is not None else sys.argv[1:])
-            i = next(i for i, a in enumerate(forwarded) if a.startswith("--nproc-per-node"))
-            del forwarded[i: i + (1 if "=" in forwarded[i] else 2)]
-            return launch(args.nproc_per_node, forwarded)
-        if args.data_only:
-            print(f"dataset: {prepare_data(cfg)}")
-            return 0
-        if args.export:
-            step = export_checkpoint(cfg, args.export)
-            print(f"wrote the step-{step} drafter of {cfg.out} to {args.export}")
-            return 0
-        out = train(cfg, stop_after=args.stop_after)
-    except Interrupted as stop:
-        if _world() > 1:  # a worker stopped as asked: its launcher's signal changes nothing
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
-        detail = str(stop) if str(stop) != signal.Signals(stop.signum).name else (
-            f"{signal.Signals(stop.signum).name}: stopped before the first training step; the same command resumes")
-        if _rank() == 0:  # one line for the whole run, not one per process
-            print(f"interrupted by {detail}", file=sys.stderr)
-        return 128 + stop.signum
-    except (ValueError, TypeError, OSError, ImportError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if _rank() != 0:  # one report for the whole run
-        return 0
-    print(f"run directory: {out}")
-    final = out / "final"
-    if final.is_dir():
-        # trained on chat turns: prompt it the same way, with a request rather than the demo's code prefix
-        chat = ' --chat --prompt "Write a Python function that reverses a string."' if cfg.data.dataset is not None else ""
-        print(f"drafter: {final}\nuse it: python -m dflash2.generate --target {cfg.target} --drafter {final}{chat}")
-    else:
-        print(f"the run stopped before step {cfg.steps}: the same command resumes it; --export DIR writes its last "
-              "checkpoint as a drafter")
-    return 0
-
-
-def launch(nproc: int, argv: list[str], shutdown_timeout: int = 300) -> int:
-    """`python -m dflash2.train --nproc-per-node N ...`: torch.distributed.run's elastic launch of N
-    workers (`--standalone`: one machine, a free port), run in this process so that its ending is ours.
-    torchrun itself answers Ctrl-C with its SignalException traceback and exit 1; here the launcher
-    forwards the signal, waits up to `shutdown_timeout` s for the workers (rank 0 prints the one line
-    and writes the checkpoint of the step every rank reached) and exits 128 + the signal."""
-    import logging
-
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run as elastic_run
-
-    for name in list(logging.Logger.manager.loggerDict):  # rank 0's line says it all (each has its own level)
-        if name.startswith("torch.distributed.elastic"):
-            logging.getLogger(name).setLevel(logging.CRITICAL)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    parser = get_args_parser()
-    flags = ["--standalone", f"--nproc-per-node={nproc}"]
-    if "--shutdown-timeout" in parser._option_string_actions:  # torch >= 2.9: the workers' time to checkpoint
-        flags.append(f"--shutdown-timeout={shutdown_timeout}")
-    try:
-        elastic_run(parser.parse_args([*flags, "-m", "dflash2.train", *argv]))
-    except SignalException as stop:  # this process got the signal and forwarded it: the workers have stopped
-        return 128 + int(stop.sigval)
-    except ChildFailedError as failed:
-        codes = sorted({f.exitcode for f in failed.failures.values()})
-        stopped = {130, 143, -signal.SIGINT, -signal.SIGTERM}  # as asked, or ended by the launcher once stopping
-        if set(codes) <= stopped and set(codes) & {130, 143}:  # the workers got the signal themselves
-            return max(set(codes) & {130, 143})
-        print(f"error: {len(failed.failures)} of the {nproc} training processes failed (exit codes {codes}); "
-              "their messages are above", file=sys.stderr)
-        return 1
-    return 0
-
-
-def describe(cfg: TrainConfig) -> str:
-    """What a run of `cfg` would do (the --dry-run output): the checks that need no model, and the plan."""
-    from dflash2.config import DFlash2Config
-
-    named = str(cfg.target) == SMOLLM2 or (is_gguf(cfg.target) and Path(cfg.target).is_file())  # resolved when loaded
-    if not Path(cfg.target).is_dir() and not looks_like_hub_id(cfg.target) and not named:
-        raise FileNotFoundError(f"no such target directory: {cfg.target}")
-    unknown = sorted(set(cfg.drafter) - {f.name for f in dataclasses.fields(DFlash2Config)})
-    if unknown:
-        raise ValueError(f"unknown drafter keys {unknown} (DFlash2Config fields)")
-    out, d = Path(cfg.out), cfg.data
-    data = d.resolved_cache(out)
-    if d.dataset is not None:
-        source = f"the conversations of {d.dataset}, answers regenerated by the target (at most {d.new_tokens} tokens each)"
-    else:
-        source = (f"{d.num_sequences} sequences of {d.prompt_tokens} prompt tokens ({d.prompts}) + {d.new_tokens} "
-                  f"tokens regenerated by the target")
-    state = "present: reused (a partial one resumes)" if data.is_dir() else "absent: regenerated before the first step"
-    resume = " (resumes its checkpoint)" if (out / "ckpt.pt").is_file() else ""
-    return "\n".join([
-        f"dry run: the config is valid; a run would write {out}{resume}",
-        f"  target {cfg.target}; drafter {cfg.drafter or 'defaults'}",
-        f"  data {data}: {state}; {source} (backend {d.backend})",
-        *([] if d.features is None else [
-            f"  features {d.features}: " + ("present: reused (a partial one resumes)" if Path(d.features).is_dir() else
-                                            "absent: the target's, computed once before the first step")]),
-        f"  {cfg.steps} steps of {cfg.batch_size} sequences × {cfg.anchors_per_seq} anchors, lr {cfg.lr}, "
-        f"checkpoint every {cfg.ckpt_every} steps; the drafter lands in {out / 'final'}"])
