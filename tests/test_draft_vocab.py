@@ -98,8 +98,37 @@ def test_the_draft_vocabulary_survives_save_load_and_with_config(tmp_path):
     assert full.draft_vocab is None and "draft_vocab" not in full.state_dict()
     with pytest.raises(ValueError, match="with_draft_vocab"):
         full.with_config(draft_vocab_size=20)
-    with pytest.raises(ValueError, match="reference format has no draft vocabulary"):
+    with pytest.raises(ValueError, match="pass target="):
         drafter.save_pretrained(tmp_path / "r", format="reference")
+
+
+@pytest.mark.parametrize("conv, selector", [("two_tap", "walk"), ("none", "argmax")])
+def test_the_reference_format_carries_the_draft_vocabulary_as_d2t(tmp_path, conv, selector):
+    """Written as EAGLE-3 and llama.cpp's converters read it: the head's rows of the draft tokens, d2t
+    offsets, draft_vocab_size; read back, it drafts what the drafter drafted, and writes the same file."""
+    from safetensors.torch import load_file
+
+    target = tiny_target("qwen3")
+    ids = torch.tensor([0, 3, 4, 9, 11, 12, 14, 15, 17, 20, 21, 25, 28, 30, 31, 33, 36, 40, 44, 46])
+    drafter = drafter_for(target, conv=conv, selector=selector).with_draft_vocab(ids)
+    drafter.save_pretrained(tmp_path / "r", format="reference", target=target)
+    meta = __import__("json").loads((tmp_path / "r" / "config.json").read_text())
+    tensors = load_file(str(tmp_path / "r" / "model.safetensors"))
+    assert meta["draft_vocab_size"] == 20 and torch.equal(tensors["d2t"] + torch.arange(20), ids)
+    assert torch.equal(tensors["lm_head.weight"], target.get_output_embeddings().weight.detach()[ids])
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "r")
+    assert torch.equal(loaded.draft_vocab, ids) and loaded.lm_head is not None
+    prompt = torch.tensor([[5, 9, 2, 7, 11]])
+    a, b = (spec_generate(d, target, prompt, max_new_tokens=24) for d in (drafter, loaded))
+    assert torch.equal(a.sequences, b.sequences) and a.acceptance_lengths == b.acceptance_lengths
+    loaded.save_pretrained(tmp_path / "again", format="reference")  # its own head now: no target needed
+    again = load_file(str(tmp_path / "again" / "model.safetensors"))
+    assert again.keys() == tensors.keys() and all(torch.equal(again[k], tensors[k]) for k in tensors)
+    del tensors["d2t"]
+    from safetensors.torch import save_file
+    save_file(tensors, str(tmp_path / "r" / "model.safetensors"))
+    with pytest.raises(ValueError, match="needs the tensors d2t"):
+        DFlash2Drafter.from_pretrained(tmp_path / "r")
 
 
 @pytest.mark.parametrize("ids, match", [

@@ -129,23 +129,31 @@ class DFlash2Drafter(nn.Module):
                     nn.init.normal_(own.weight, std=float(weight.float().std()))
         return drafter
 
-    def save_pretrained(self, directory: str | Path, *, format: str = "dflash2") -> None:
+    def save_pretrained(self, directory: str | Path, *, format: str = "dflash2", target: nn.Module | None = None) -> None:
         """Write `config.json` and `model.safetensors` (HF-style directory).
 
         format="dflash2": our own layout. format="reference": the published layout of the drafter's method
         (DFlashDraftModel, DFlash2DraftModel, Qwen3DSparkModel, LiLiCorrDraftModel) that the engines load
-        (docs/checkpoints.md).
+        (docs/checkpoints.md). A draft vocabulary is written as the format has it (EAGLE-3's): its rows of
+        the LM head as `lm_head.weight`, `d2t`, `draft_vocab_size`; a drafter that shares the target's head
+        needs the `target` (an HF causal LM) to take them from.
         """
         if format not in ("dflash2", "reference"):
             raise ValueError(f"format must be 'dflash2' or 'reference', got {format!r}")
         directory = Path(directory)
         tensors = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         if format == "reference":
-            if self.draft_vocab is not None:
-                raise ValueError("the reference format has no draft vocabulary; save "
-                                 "with_config(draft_vocab_size=None) or use format='dflash2'")
             meta = reference_format.reference_from_config(self.config, self.backbone.fc.weight.dtype)
+            vocab = tensors.pop("draft_vocab", None)
             tensors = reference_format.reference_from_state(tensors, reference_format.reference_architecture(self.config))
+            if vocab is not None:
+                head = self.lm_head.weight if self.lm_head is not None else \
+                    None if target is None else target.get_output_embeddings().weight
+                if head is None:
+                    raise ValueError("the reference format ships a draft vocabulary's rows of the LM head, and this "
+                                     "drafter shares the target's: pass target=<the HF model>")
+                tensors = reference_format.join_draft_head(tensors, vocab, head.detach().cpu().to(self.backbone.fc.weight.dtype))
+                meta["draft_vocab_size"] = int(vocab.numel())
         else:
             meta = {"architectures": [ARCHITECTURE], **self.config.to_dict()}
         directory.mkdir(parents=True, exist_ok=True)
@@ -182,7 +190,13 @@ class DFlash2Drafter(nn.Module):
         if reference_format.is_reference(meta):
             config = reference_format.config_from_reference(meta, state.keys())
             model = cls(config).to(stored)
-            state = reference_format.state_from_reference(state, model.state_dict(), reference_format.architecture(meta))
+            vocab = None
+            if config.draft_vocab_size is not None:  # the reduced head spread over the vocabulary, zero elsewhere
+                state, vocab = reference_format.split_draft_head(state, config.vocab_size)
+            expected = {k: v for k, v in model.state_dict().items() if k != "draft_vocab"}
+            state = reference_format.state_from_reference(state, expected, reference_format.architecture(meta))
+            if vocab is not None:
+                state["draft_vocab"] = vocab
         else:
             arch = meta.pop("architectures", [ARCHITECTURE])
             if arch != [ARCHITECTURE]:

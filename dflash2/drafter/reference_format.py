@@ -129,6 +129,12 @@ def config_from_reference(meta: dict[str, Any], tensor_names: Collection[str] | 
         fields.pop("final_logit_softcapping", None)
     method_extra = _method_from_reference(arch, meta, dflash, fields, take)
     _own_modules_from_reference(arch, meta, fields, tensor_names)
+    draft_vocab = meta.pop("draft_vocab_size", None)
+    if draft_vocab is not None and draft_vocab != fields["vocab_size"]:  # a reduced head and its d2t (EAGLE-3's)
+        if tensor_names is not None and not {"d2t", "lm_head.weight"} <= set(tensor_names):
+            raise ValueError(f"draft_vocab_size {draft_vocab} < vocab_size {fields['vocab_size']} needs the tensors d2t "
+                             "and lm_head.weight (its rows), which the checkpoint lacks")
+        fields["draft_vocab_size"], fields["own_lm_head"] = int(draft_vocab), True
     fields["rope_parameters"] = _rope_from_reference(meta)
     # attention layout, as Qwen3Config resolves it
     use_window = bool(meta.pop("use_sliding_window", False))
@@ -452,3 +458,22 @@ def _qwen3_defaults():
 def _qwen3_defaults_theta() -> float:
     params = getattr(_qwen3_defaults(), "rope_parameters", None) or {}
     return float(params.get("rope_theta", getattr(_qwen3_defaults(), "rope_theta", 10000.0)))
+
+
+def split_draft_head(tensors: dict[str, Tensor], vocab_size: int) -> tuple[dict[str, Tensor], Tensor]:
+    """A reduced-vocabulary checkpoint (`d2t` offsets: draft row i is token i + d2t[i]; `lm_head.weight`
+    [n, H], those tokens' rows) → its tensors with the head spread into a [vocab_size, H] matrix (zero
+    rows outside the draft vocabulary, which never drafts them), and the draft vocabulary's token ids."""
+    tensors = dict(tensors)
+    d2t, rows = tensors.pop("d2t").long(), tensors["lm_head.weight"]
+    ids = torch.arange(d2t.numel()) + d2t
+    head = torch.zeros(vocab_size, rows.shape[1], dtype=rows.dtype)
+    head[ids] = rows
+    tensors["lm_head.weight"] = head
+    return tensors, ids
+
+
+def join_draft_head(tensors: dict[str, Tensor], ids: Tensor, head: Tensor) -> dict[str, Tensor]:
+    """The reverse: the draft vocabulary's rows of `head` [V, H] as lm_head.weight [n, H], and d2t."""
+    return dict(tensors, **{"lm_head.weight": head[ids].contiguous(), "d2t": ids - torch.arange(ids.numel())})
+
