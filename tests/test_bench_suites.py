@@ -292,3 +292,17 @@ def test_vllm_metrics_text_parses_to_counters():
         'vllm:spec_decode_num_accepted_tokens_per_pos_created{engine="0",model_name="/t",position="0"} 1.79e+09'])
     assert parse_spec_metrics(text) == dict(drafts=22.0, accepted=9.0, accepted_per_position={0: 7.0, 1: 2.0})
     assert parse_spec_metrics("# nothing here\nprocess_cpu_seconds_total 3.0\n") is None
+
+
+def test_llama_server_metrics_text_parses_to_counters():
+    """What llama-server (llama.cpp in llama-cpp-python 0.3.36, --metrics) prints: no per-position counters."""
+    text = "\n".join([
+        "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed",
+        "llamacpp:tokens_predicted_total 131",
+        "# TYPE llamacpp:spec_decode_num_draft_tokens_total counter",
+        "llamacpp:spec_decode_num_draft_tokens_total 450",
+        "llamacpp:spec_decode_num_accepted_tokens_total 101",
+        "# HELP llamacpp:spec_decode_num_drafts_total Speculative: Total speculative decoding verification steps",
+        "llamacpp:spec_decode_num_drafts_total 30",
+        "llamacpp:n_busy_slots_per_decode 1"])
+    assert parse_spec_metrics(text) == dict(drafts=30.0, accepted=101.0, accepted_per_position={})

@@ -217,7 +217,8 @@ class Client:
             return None
 
     def generate(self, ids: list[int], max_new_tokens: int, setting: dict, stops: list[int], seed: int) -> Reply:
-        sampling = dict(temperature=setting["temperature"], top_p=setting["top_p"])
+        # min_p 0: llama-server's default (0.05) would cut the distribution our loop and vLLM sample from
+        sampling = dict(temperature=setting["temperature"], top_p=setting["top_p"], min_p=0.0)
         if setting["top_k"] > 0:
             sampling["top_k"] = setting["top_k"]
         t0 = time.perf_counter()
@@ -237,7 +238,8 @@ class Client:
         return Reply(out["text"], int(meta["completion_tokens"]), seconds, None if steps is None else int(steps))
 
     def counters(self) -> dict[str, Any] | None:
-        """vLLM's cumulative spec-decode counters from /metrics (None where the server has none)."""
+        """vLLM's (or llama-server's, with --metrics) cumulative spec-decode counters from /metrics (None where
+        the server has none)."""
         try:
             text = _get(self.base + "/metrics", timeout=10)
         except ValueError:
@@ -246,11 +248,12 @@ class Client:
 
 
 def parse_spec_metrics(text: str) -> dict[str, Any] | None:
-    """Prometheus text → {drafts, accepted, accepted_per_position} summed over engines (None: no counters)."""
+    """Prometheus text → {drafts, accepted, accepted_per_position} summed over engines (None: no counters):
+    vLLM's `vllm:spec_decode_num_*_total`, llama-server's `llamacpp:spec_decode_num_*_total` (no positions)."""
     out: dict[str, Any] = {"drafts": 0.0, "accepted": 0.0, "accepted_per_position": {}}
     seen = False
     for line in text.splitlines():
-        m = re.match(r"^(vllm:spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total)"
+        m = re.match(r"^((?:vllm|llamacpp):spec_decode_num_(drafts|accepted_tokens|accepted_tokens_per_pos)_total)"
                      r"(\{[^}]*\})?\s+([0-9.eE+-]+)$", line.strip())
         if not m:
             continue
