@@ -290,3 +290,74 @@ def test_rows_take_turns_in_the_table_order_then_the_reverse(tmp_path, monkeypat
     ab, ba = ["ar", "dflash2_walk"], ["dflash2_walk", "ar"]
     assert [n for c, n in calls if c == 1] == ab + ab * 2 + ba * 2 + ab * 2  # warm-up, then 3 repetitions × 2 prompts
     assert [n for c, n in calls if c == 2] == ab + ab + ba + ab  # warm-up, then 3 passes over the set
+
+
+FAKE_LLAMA_SERVER = r'''#!/usr/bin/env python3
+"""A stand-in llama-server: /health, /metrics, /completion; every answer a function of the prompt (the same
+with or without a drafter: lossless), a drafter's rounds counted 4 tokens each, 3 of them accepted drafts."""
+import json, math, os, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+args = sys.argv[1:]
+port, drafting = int(args[args.index("--port") + 1]), "-md" in args
+with open(os.environ["STAND_IN_LOG"], "a") as log:
+    log.write(("draft " + args[args.index("-md") + 1] if drafting else "plain") + "\n")
+state = {"drafts": 0, "accepted": 0}
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def send(self, body, kind="application/json"):
+        data = body.encode()
+        self.send_response(200); self.send_header("Content-Type", kind); self.send_header("Content-Length", str(len(data)))
+        self.end_headers(); self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/health":
+            return self.send(json.dumps({"status": "ok"}))
+        lines = [f"llamacpp:spec_decode_num_drafts_total {state['drafts']}",
+                 f"llamacpp:spec_decode_num_accepted_tokens_total {state['accepted']}"]
+        return self.send("\n".join(lines) + "\n", "text/plain")
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n, prompt = body["n_predict"], body["prompt"]
+        assert body["min_p"] == 0.0 and body["samplers"] == ["top_k", "top_p", "temperature"]
+        if drafting:
+            state["drafts"] += math.ceil((n - 1) / 4)
+            state["accepted"] += 3 * math.ceil((n - 1) / 4)
+        tokens = [(sum(prompt) + i) % 40 + 3 for i in range(n)]
+        self.send(json.dumps({"tokens": tokens, "timings": {"prompt_ms": 1.0, "predicted_ms": 2.0}}))
+HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+'''
+
+FAKE_CONVERTER = r'''import sys
+args = sys.argv[1:]
+open(args[args.index("--outfile") + 1], "w").write("a stand-in GGUF of " + args[0] + " as " + args[args.index("--outtype") + 1])
+'''
+
+
+def test_llama_rows_take_turns_with_ours_and_count_as_llama_does(tmp_path, monkeypatch):
+    """llama.cpp's rows: a server per row and repetition, after ours; τ from its /metrics counters (1 +
+    accepted / verification passes); the DFlash row's greedy outputs against llama.cpp's own plain row."""
+    import os
+
+    llama = tmp_path / "llama"
+    (llama / "build" / "bin").mkdir(parents=True)
+    (llama / "src").mkdir()
+    server = llama / "build" / "bin" / "llama-server"
+    server.write_text(FAKE_LLAMA_SERVER)
+    os.chmod(server, 0o755)
+    (llama / "src" / "convert_hf_to_gguf.py").write_text(FAKE_CONVERTER)
+    log = tmp_path / "launches.txt"
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    out = tmp_path / "bench"
+    assert main([f"out={out}", f"llama_cpp={llama}", "target=embedded", "drafters={dflash1: embedded:dflash1}",
+                 "methods=[ar,llama_ar,llama_dflash1]", "llama_weights=[bf16]", "repetitions=2", "num_prompts=2",
+                 "max_new_tokens=9", "block_sizes=[16]", "datasets=[stdlib_heldout]", "settings=[greedy]"]) == 0
+    launches = log.read_text().splitlines()
+    assert [x.split()[0] for x in launches] == ["plain", "draft"] * 2 and launches[1].endswith("drafter_B16_bf16.gguf")
+    assert "as bf16" in (out / "gguf" / "target-bf16.gguf").read_text()
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
+    plain, spec = rows["llama_ar_bf16"], rows["llama_dflash1_bf16"]
+    assert plain["runs"] == spec["runs"] == rows["ar"]["runs"] == 2 * 2 and plain["error"] is None
+    assert plain["tau"] == 1.0 and spec["tau"] == 4.0 and spec["engine"] == "llama.cpp"
+    assert spec["same_outputs_as_plain"] == 1.0 and plain["plain_decoding"] and spec["tokens_per_s"] > 0
+    with pytest.raises(ValueError, match="need llama_cpp"):
+        from dflash2.bench.config import BenchConfig
+        BenchConfig(methods=["ar", "llama_ar"])

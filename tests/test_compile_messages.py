@@ -62,7 +62,7 @@ def test_the_drafters_warm_up_is_announced_once(monkeypatch, capsys):
     is checked here without inductor: compile_own returns the round as it is)."""
     import torch
 
-    import dflash2.drafter.model as drafter_module
+    import dflash2.drafter.rounds as drafter_module
     from dflash2 import DFlash2Drafter, TargetAdapter, TorchRandom
     from tests.helpers import tiny_target
 

@@ -5,6 +5,8 @@ decodes losslessly as a target. Nothing here downloads anything."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -133,6 +135,12 @@ def test_the_cache_is_read_back_and_decodes_as_transformers_gguf_loader(tiny, mo
             out = m.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=1)
             assert torch.equal(out, want)
     assert tokenizer.vocab_size == VOCAB or len(tokenizer) == VOCAB
+    # the directory names its architecture (llama.cpp's converter reads it), also one dequantized without it
+    config = next((root / "cache" / "gguf").iterdir()) / "config.json"
+    assert json.loads(config.read_text())["architectures"] == [type(reference).__name__]
+    config.write_text(json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "architectures"}))
+    load_gguf(path, cache=root / "cache")
+    assert json.loads(config.read_text())["architectures"] == [type(reference).__name__]
 
 
 def test_a_gguf_target_decodes_losslessly(tiny):

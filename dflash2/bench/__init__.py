@@ -75,6 +75,11 @@ than the differences measured):
 with the engine's τ from its spec-decode counters, once per dtype of `vllm_dtypes` (float32, as our
 target, and/or bfloat16: rows end in `_bf16`). At concurrency 1 each request runs alone and is
 timed alone; at concurrency c the set is submitted at once with `max_num_seqs=c`.
+With `llama_cpp: DIR` (a llama.cpp build, docs/engines.md) the tables at concurrency 1 also get
+llama.cpp's rows the same way (dflash2/bench/llama.py), once per type of `llama_weights` (bf16, f16,
+f32, q8_0: the target converted by llama.cpp's own script; gguf: the target's own file):
+`llama_ar_<type>` (llama-server's plain decoding) and `llama_dflash1_<type>`, `llama_dflash2_<type>`
+(with our drafter in the published layout, converted), τ from its counters.
 Every row has three ratios: `speedup` (median of per-prompt tokens/s ratios against our AR, as
 above), `tokens_per_s_ratio` (total tokens/s against our AR's) and `speedup_vs_fastest_ar` (total
 tokens/s against the fastest plain decoding of the table: ours, HF generate or vLLM's).

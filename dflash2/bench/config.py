@@ -28,6 +28,9 @@ ALL_METHODS = ("ar", "hf_generate", "hf_prompt_lookup", "hf_assisted", "dflash1"
                "dflash2_argmax", "dflash2_tree", "dflash2_goodput", "dflash2_goodput_tree")
 
 VLLM_METHODS = ("vllm_ar", "vllm_dflash1", "vllm_dflash2")  # with vllm_python: the engine, in its own venv
+LLAMA_METHODS = ("llama_ar", "llama_dflash1", "llama_dflash2")  # with llama_cpp: llama-server (dflash2.bench.llama)
+# the llama rows' weights: a type llama.cpp's converter writes, or "gguf" (the target's own GGUF file)
+LLAMA_WEIGHTS = ("f32", "bf16", "f16", "q8_0", "gguf")
 
 
 
@@ -118,6 +121,11 @@ class BenchConfig:
     # once per dtype in vllm_dtypes (float32 as our target; bfloat16 rows end in _bf16).
     vllm_python: str | None = None
     vllm_dtypes: list[str] = field(default_factory=lambda: ["float32"])
+    # A llama.cpp build (docs/engines.md: its src/ and build/bin/): adds the llama_* rows, llama-server on the
+    # target's weights converted by llama.cpp's own script, once per type in llama_weights ("gguf": the target's
+    # own file, e.g. SmolLM2's shipped Q4_1), and with our drafters; at batch 1 (dflash2/bench/llama.py).
+    llama_cpp: str | None = None
+    llama_weights: list[str] = field(default_factory=lambda: ["bf16"])
     # How our loop runs the target: "hf" (TargetAdapter: the model's forward), "static" (StaticTarget: its
     # layers written out over a preallocated cache, compiled; rows end in _static) and/or
     # "static_bf16mm" (the same with bfloat16 matrix products, StaticTarget(linear_dtype="bfloat16"): another
@@ -134,9 +142,9 @@ class BenchConfig:
             raise ValueError(f"target_dtype must be one of {list(DTYPES)}, got {self.target_dtype!r}")
         if self.device != "cpu" and self.quick:
             raise ValueError("--quick runs on the CPU")
-        bad = sorted(set(self.methods) - set(ALL_METHODS) - set(VLLM_METHODS))
+        bad = sorted(set(self.methods) - set(ALL_METHODS) - set(VLLM_METHODS) - set(LLAMA_METHODS))
         if bad:
-            raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS + VLLM_METHODS)}")
+            raise ValueError(f"unknown methods {bad}; known: {list(ALL_METHODS + VLLM_METHODS + LLAMA_METHODS)}")
         bad = sorted(set(self.target_steps) - set(TARGET_STEPS))
         if bad or not self.target_steps:
             raise ValueError(f"target_steps must be among {list(TARGET_STEPS)}, got {self.target_steps}")
@@ -153,6 +161,20 @@ class BenchConfig:
         elif set(self.methods) & set(VLLM_METHODS):
             raise ValueError(f"methods {sorted(set(self.methods) & set(VLLM_METHODS))} need vllm_python "
                              "(the python of a venv with vLLM)")
+        bad = sorted(set(self.llama_weights) - set(LLAMA_WEIGHTS))
+        if bad or not self.llama_weights:
+            raise ValueError(f"llama_weights must be among {list(LLAMA_WEIGHTS)}, got {self.llama_weights}")
+        if self.llama_cpp is not None:
+            if not (Path(self.llama_cpp).expanduser() / "build" / "bin" / "llama-server").is_file():
+                raise ValueError(f"llama_cpp {self.llama_cpp!r} holds no build/bin/llama-server (docs/engines.md)")
+            if self.quick:
+                raise ValueError("llama_cpp needs a real target; --quick runs random in-memory models")
+            if "gguf" in self.llama_weights and not (self.target == "smollm2" or self.target.endswith(".gguf")):
+                raise ValueError("llama_weights 'gguf' is the target's own GGUF file: the target must be smollm2 or a .gguf")
+            if not set(self.methods) & set(LLAMA_METHODS):  # naming none of them asks for all of them
+                self.methods = [*self.methods, *LLAMA_METHODS]
+        elif set(self.methods) & set(LLAMA_METHODS):
+            raise ValueError(f"methods {sorted(set(self.methods) & set(LLAMA_METHODS))} need llama_cpp (a llama.cpp build)")
         if self.chat_template not in ("auto", True, False):
             raise ValueError(f"chat_template must be auto, true or false, got {self.chat_template!r}")
         bad = sorted(set(self.datasets) - set(NAMES) - set(SUITES) - set(self.dataset_files))

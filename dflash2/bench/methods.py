@@ -21,7 +21,7 @@ from dflash2.decoding.batch import ar_generate_batch, spec_generate_batch
 from dflash2.drafter.draft_vocab import load_counts, most_frequent
 from dflash2.drafter.model import DFlash2Drafter
 from dflash2.decoding.loop import ar_generate, spec_generate
-from dflash2.bench.config import DTYPE_SUFFIX, DTYPES, STEP_SUFFIX, VLLM_METHODS, BenchConfig
+from dflash2.bench.config import DTYPE_SUFFIX, DTYPES, LLAMA_METHODS, STEP_SUFFIX, VLLM_METHODS, BenchConfig
 from dflash2.bench.prompts import PromptSet
 
 
@@ -31,8 +31,8 @@ class Method:
     (`dflash2_tree15_V4096_compiled_bf16_static`: family dflash2_tree, 15 nodes, draft vocabulary 4096,
     compiled drafting round, bfloat16 drafter, StaticTarget step; `_static_bf16mm`: its bfloat16 products)."""
 
-    family: str  # one of ALL_METHODS or VLLM_METHODS
-    dtype: str = "float32"  # the drafter's (our drafter rows) or the engine's (vllm rows)
+    family: str  # one of ALL_METHODS, VLLM_METHODS or LLAMA_METHODS
+    dtype: str = "float32"  # the drafter's (our drafter rows), the engine's (vllm rows), the weights' (llama rows)
     compiled: bool = False  # the drafter's round through torch.compile (DFlash2Drafter.compile)
     draft_vocab: int | None = None  # the drafter's LM head over this many most frequent tokens
     draft_len: int | None = None  # propose only the first n positions of the block
@@ -41,6 +41,8 @@ class Method:
 
     @property
     def name(self) -> str:
+        if self.family in LLAMA_METHODS:  # its weights' type: llama_ar_bf16, llama_dflash2_gguf
+            return f"{self.family}_{self.dtype}"
         trees = ("dflash2_tree", "dflash2_goodput_tree")
         name = f"{self.family}{self.tree_nodes}" if self.family in trees else self.family
         name += f"_L{self.draft_len}" if self.draft_len else ""
@@ -61,11 +63,11 @@ class Method:
     @property
     def plain(self) -> bool:
         """Plain decoding: what speedup_vs_fastest_ar compares against."""
-        return self.family in ("ar", "hf_generate", "vllm_ar")
+        return self.family in ("ar", "hf_generate", "vllm_ar", "llama_ar")
 
     @property
     def engine(self) -> bool:
-        return self.family in VLLM_METHODS
+        return self.family in VLLM_METHODS or self.family in LLAMA_METHODS
 
 
 @dataclass

@@ -57,10 +57,17 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
             row.update(fastest_ar=fastest.name, speedup_vs_fastest_ar=row["tokens_per_s"] / plain[fastest])
         if method in engine:
             result = engine[method]
-            row.update(engine="vllm " + str(result.vllm_version), error=result.error)
+            label = str(result.version) if hasattr(result, "version") else "vllm " + str(result.vllm_version)
+            row.update(engine=label, error=result.error)
             if result.error:
                 row.update(tokens_per_s=None, speedup=None, tokens_per_s_ratio=None, speedup_vs_fastest_ar=None)
-            row["tau"] = 1.0 if method.family == "vllm_ar" and not result.error else result.tau
+            row["tau"] = 1.0 if method.family in ("vllm_ar", "llama_ar") and not result.error else result.tau
+            if method.family.startswith("llama_dflash") and step_outputs(runs, "llama_ar", method.dtype):
+                same = step_outputs(runs, "llama_ar", method.dtype)  # llama.cpp's own losslessness, run for run
+                pairs = [(a, b) for rep, p, r in items if (rep, p) in same
+                         for a, b in zip(r.outputs, same[rep, p].outputs)] if not setting.get("temperature") else []
+                if pairs:
+                    row["same_outputs_as_plain"] = sum(a == b for a, b in pairs) / len(pairs)
             if result.acceptance_by_position:
                 row["acceptance_by_position"] = result.acceptance_by_position
             row["plain_decoding"] = method.plain
@@ -116,6 +123,12 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
                                                                          or method.draft_len) and top1 in taus:
             row["tau_gap_vs_top1"] = row["tau"] - taus[top1]
     return rows
+
+
+def step_outputs(runs: dict, family: str, dtype: str) -> dict:
+    """(repetition, prompt) → Run of the row `family` at `dtype` in this table ({} without it)."""
+    return next(({(rep, p): r for rep, p, r in items} for m, items in runs.items()
+                 if m.family == family and m.dtype == dtype), {})
 
 
 def fastest_plain(rows: list[dict[str, Any]]) -> None:

@@ -17,6 +17,7 @@ from dflash2.drafter.model import DFlash2Drafter
 from dflash2.train.data import render
 from dflash2.bench.config import DTYPES, SETTINGS, BenchConfig, num_tables
 from dflash2.bench.machine import LoadMonitor
+from dflash2.bench.llama import run_llama
 from dflash2.bench.methods import Method, Run, make_batch_methods, make_methods, merge_engine, resolve, run_engine
 from dflash2.bench.prompts import PromptSet, load_prompt_set
 from dflash2.bench.report import fastest_plain, summarize, write_outputs
@@ -141,6 +142,7 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
     sources = {d: ps.source + (template if prompter.chat(ps) else ", raw text") for d, ps in sets.items()}
     n_tables = num_tables(cfg)
     made: dict = {}  # compiled StaticTargets and drafters, shared by every table (their warm-ups take minutes)
+    exports: dict = {}  # llama.cpp's converted drafters, shared by every table
     for dataset, prompts in sets.items():
         calibrators: dict = {}  # the adaptive rows' acceptance calibration, per drafter and setting, across tables
         for block in cfg.block_sizes:
@@ -182,6 +184,12 @@ def run_bench(cfg: BenchConfig) -> list[dict[str, Any]]:
                         for method, result in run_engine(cfg, drafters, prompter, prompts, block, conc, setting, stops,
                                                          runs, rep, refused):
                             engine[method] = merge_engine(engine[method], result) if method in engine else result
+                        if cfg.llama_cpp and conc == 1:
+                            progress.step(f"repetition {rep + 1}/{cfg.repetitions}: llama.cpp's rows", always=True,
+                                          counts=False)
+                        for method, result in run_llama(cfg, drafters, target, prompter, prompts, block, conc, setting,
+                                                        runs, rep, refused, exports):
+                            engine[method] = engine[method] + result if method in engine else result
                     progress.close()
                     load = monitor.record()
                     tables.append(dict(dataset=dataset, block_size=block, concurrency=conc, setting=setting_name, **load))

@@ -53,7 +53,8 @@ def binary(llama_dir: str | Path, name: str) -> Path:
     return path
 
 
-def _convert(llama_dir: str | Path, source: Path, out: Path, outtype: str, extra: list[str]) -> Path:
+def _convert(llama_dir: str | Path, source: Path, out: Path, outtype: str, extra: list[str],
+             wrapper: str | None = None) -> Path:
     out = Path(out)
     if out.is_file():
         return out
@@ -62,7 +63,8 @@ def _convert(llama_dir: str | Path, source: Path, out: Path, outtype: str, extra
         raise FileNotFoundError(f"{script} does not exist: llama_dir must hold llama.cpp's source tree as src/")
     tmp = out.with_name(out.name + ".tmp")
     env = dict(os.environ, PYTHONPATH=str(script.parent / "gguf-py") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(script), str(source), "--outfile", str(tmp), "--outtype", outtype, *extra],
+    run = [str(script)] if wrapper is None else ["-c", wrapper, str(script.parent)]
+    proc = subprocess.run([sys.executable, *run, str(source), "--outfile", str(tmp), "--outtype", outtype, *extra],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"convert_hf_to_gguf.py failed on {source}:\n{proc.stderr[-3000:]}")
@@ -78,8 +80,50 @@ def convert_model(llama_dir: str | Path, hf_dir: str | Path, out: str | Path, ou
 def convert_drafter(llama_dir: str | Path, reference_dir: str | Path, target_dir: str | Path, out: str | Path,
                     outtype: str = "f32") -> Path:
     """A drafter saved in the published layout (`save_pretrained(format="reference")`) as a GGUF,
-    with the target's tokenizer (`--target-model-dir`), by llama.cpp's own converter."""
-    return _convert(llama_dir, Path(reference_dir), Path(out), outtype, ["--target-model-dir", str(target_dir)])
+    with the target's tokenizer (`--target-model-dir`), by llama.cpp's own converter. A draft vocabulary
+    (`d2t`): llama.cpp's runtime reads it for every DFlash drafter, its converter writes it for DSpark
+    only; `D2T_CONVERTER` runs the same converter with DSpark's d2t handling given to DFlash 2 as well."""
+    meta = json.loads((Path(reference_dir) / "config.json").read_text())
+    wrapper = D2T_CONVERTER if meta.get("draft_vocab_size") not in (None, meta.get("vocab_size")) else None
+    return _convert(llama_dir, Path(reference_dir), Path(out), outtype, ["--target-model-dir", str(target_dir)],
+                    wrapper)
+
+
+# llama.cpp's convert_hf_to_gguf.py with DFlash2DraftModel taking a `d2t` tensor as its DSparkModel does:
+# held (not mapped), then written as the absolute target ids the runtime reads (src/models/dflash.cpp)
+D2T_CONVERTER = """
+import sys
+import numpy as np
+import torch
+sys.path.insert(0, sys.argv.pop(1))
+import convert_hf_to_gguf as c
+import gguf
+from conversion.base import LazyTorchTensor, ModelBase
+from conversion.qwen import DFlashModel
+
+
+@ModelBase.register("DFlash2DraftModel", "DFlashDraftModel")
+class DFlashWithD2T(DFlashModel):
+    model_arch = DFlashModel.model_arch
+
+    def modify_tensors(self, data_torch, name, bid):
+        if name in ("d2t", "model.d2t"):
+            self._d2t = data_torch
+            return
+        yield from super().modify_tensors(data_torch, name, bid)
+
+    def prepare_tensors(self):
+        super().prepare_tensors()
+        d2t = LazyTorchTensor.to_eager(self._d2t).to(torch.int64).cpu().numpy().reshape(-1)
+        ids = d2t + np.arange(d2t.size, dtype=np.int64)
+        if d2t.size != self.hparams["draft_vocab_size"] or len(np.unique(ids)) != ids.size or ids.min() < 0 \
+                or ids.max() >= self.hparams["vocab_size"]:
+            raise ValueError("d2t does not give draft_vocab_size distinct target token ids")
+        self.gguf_writer.add_tensor("d2t", ids, raw_dtype=gguf.GGMLQuantizationType.I64)
+
+
+c.main()
+"""
 
 
 class LlamaServer:
@@ -127,10 +171,16 @@ class LlamaServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        self._final_log = self.log  # kept in memory; the file goes
+        if self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+            self.log_path = None
 
     @property
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path and self.log_path.is_file() else ""
+        if self.log_path is None or not self.log_path.is_file():
+            return getattr(self, "_final_log", "")
+        return self.log_path.read_text(errors="replace")
 
     def complete(self, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int = 0, stop_at_eos: bool = True) -> LlamaCompletion:

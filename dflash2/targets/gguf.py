@@ -49,7 +49,21 @@ def gguf_directory(path: str | os.PathLike, cache: Path | None = None) -> Path:
     where = (cache or cache_dir()) / "gguf" / f"{path.stem}-{stat.st_size}-{int(stat.st_mtime)}"
     if not (where / "model.safetensors").is_file():
         _dequantize_to(path, where)
+    _name_architecture(where)
     return where
+
+
+def _name_architecture(where: Path) -> None:
+    """A directory dequantized before config.json named its architecture: name it (`LlamaForCausalLM`...)."""
+    config = json.loads((where / "config.json").read_text())
+    if not config.get("architectures"):
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        config["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[AutoConfig.from_pretrained(where).model_type]]
+        tmp = where / "config.json.tmp"
+        tmp.write_text(json.dumps(config, indent=2))
+        os.replace(tmp, where / "config.json")
 
 
 def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, cache: Path | None = None):
@@ -88,6 +102,7 @@ def _dequantize_to(path: Path, where: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)
     config["torch_dtype"] = "float32"
+    config["architectures"] = [type(model).__name__]  # transformers' GGUF reader leaves it unset; converters read it
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     tokenizer.save_pretrained(tmp)
     if model.generation_config is not None:
