@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 from safetensors import safe_open
@@ -19,7 +19,6 @@ from dflash2.drafter import reference_format
 from dflash2.targets.adapter import TargetAdapter
 
 if TYPE_CHECKING:
-    from dflash2.drafter.model import DFlash2Drafter
     from dflash2.interfaces import Selector
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -29,7 +28,7 @@ ARCHITECTURE = "DFlash2Drafter"
 class DrafterFiles:
     # -- construction ----------------------------------------------------------------------------
     @classmethod
-    def from_target(cls, target: nn.Module, **fields: Any) -> "DFlash2Drafter":
+    def from_target(cls, target: nn.Module, **fields: Any) -> Self:
         """A randomly initialised drafter sized for an HF causal LM, on its device and dtype.
 
         Hidden size, vocabulary, number of target layers and RoPE parameters come from
@@ -110,7 +109,7 @@ class DrafterFiles:
 
     @classmethod
     def from_pretrained(cls, directory: str | Path, *, device: str | torch.device | None = None,
-                        dtype: torch.dtype | None = None) -> "DFlash2Drafter":
+                        dtype: torch.dtype | None = None) -> Self:
         """Read our directory format or the reference one; every tensor must fit, none may be missing.
 
         device="meta": the drafter its config.json describes, with no weights read (parameter names
@@ -162,7 +161,7 @@ class DrafterFiles:
             _check_draft_vocab(model.draft_vocab, model.config.vocab_size, model.config.selector_top_k)
         return model.to(device=device, dtype=dtype or stored)
 
-    def with_config(self, **changes: Any) -> "DFlash2Drafter":
+    def with_config(self, **changes: Any) -> Self:
         """A copy with some config fields changed and the same weights: block size, selector among
         walk/viterbi (or argmax, which drops the codebooks: the selector ablation; a selector whose
         parameters this drafter lacks is refused: `with_selector` starts them fresh), top-K, context
@@ -177,7 +176,7 @@ class DrafterFiles:
             return self._copy(config, state)[0]
         return self._reselect(config, state, None, fresh_ok=False)
 
-    def with_selector(self, selector: "str | Selector") -> "DFlash2Drafter":
+    def with_selector(self, selector: "str | Selector") -> Self:
         """A copy with another path selector and the same backbone and head weights. `selector` is a name
         (walk, viterbi, argmax, one given to `dflash2.register_selector`, or "package.module:Name") or a
         selector object whose class is registered (the config must name it, so that a saved drafter can
@@ -196,7 +195,7 @@ class DrafterFiles:
                                  f"'my_name', {kind})) so that the drafter's config can name it")
         return self._reselect(self.config.replace(selector=name), self.state_dict(), given, fresh_ok=True)
 
-    def _reselect(self, config: DFlash2Config, state: dict[str, Tensor], given, fresh_ok: bool) -> "DFlash2Drafter":
+    def _reselect(self, config: DFlash2Config, state: dict[str, Tensor], given, fresh_ok: bool) -> Self:
         """A copy of `config` (another selector) with `state`'s backbone and head; its selector (`given`, or
         the one its config builds) takes `state`'s selector tensors where names and shapes agree. A tensor
         left at its init is refused unless `fresh_ok` (untrained codebooks would draft as argmax does)."""
@@ -220,7 +219,7 @@ class DrafterFiles:
         copy.load_state_dict(shared, strict=False)
         return copy
 
-    def with_draft_vocab(self, token_ids: Tensor | list[int]) -> "DFlash2Drafter":
+    def with_draft_vocab(self, token_ids: Tensor | list[int]) -> Self:
         """A copy whose LM head drafts among `token_ids` only (FR-Spec: e.g. `draft_vocab.most_frequent(
         counts, n)`), with the same weights. Drafting reads n rows of the target's head instead of V,
         and top-K runs over n logits; verification is unchanged, so outputs are still the target's own,
@@ -238,7 +237,7 @@ class DrafterFiles:
         copy = type(self)(config).to(device=weight.device, dtype=weight.dtype).train(self.training)
         return copy, copy.load_state_dict(state, strict=strict)
 
-    def grown(self, num_layers: int) -> "DFlash2Drafter":
+    def grown(self, num_layers: int) -> Self:
         """A copy with `num_layers` backbone layers: this drafter's layers first, then new layers
         that start as the identity (their attention and MLP output projections zero, so both
         residual branches add nothing; the rest random). The copy drafts exactly what this one
