@@ -475,7 +475,7 @@ def test_probes_keep_to_their_share_of_the_time_as_measured():
     backlog = lambda p: 10.0 if p.answers[-2:-1] == [False] else 3.9  # noqa: E731 (after skipped rounds: their backlog)
     assert _run_blind(policy, 150, clock, backlog) == [0, 12, 13, 37, 38, 86, 87, 135, 136]
     assert policy.residual("draft", 1) == pytest.approx(0.0)
-    assert policy.probe_s == {1: pytest.approx(11.9)} and policy.probe_cost(1, 5.8) == pytest.approx(11.9)
+    assert policy.timer.probe_s == {1: pytest.approx(11.9)} and policy.probe_cost(1, 5.8) == pytest.approx(11.9)
     assert policy.probe_cost(2, 5.8) == pytest.approx(23.8)  # more rows: scaled from the most measured
     assert CountedGoodput(cost, positions=4).probe_cost(1, 5.8) == 5.8  # nothing measured: the model's
 
@@ -577,7 +577,7 @@ def test_quiet_stretches_leave_most_skipped_rounds_unjudged_and_keep_sampling_th
     assert policy.chosen[SKIPPED] > 390  # (a probe or two among them)
     # the window's first samples, then two full calls a stretch, and each probe's rounds and the two after them
     assert calls[0] <= ROUND_WINDOW + 2 + 2 * 400 / (QUIET_ROUNDS + 2) + 2 * 4, calls[0]
-    window = policy._residuals["plain"][1]
+    window = policy.timer.windows["plain"][1]
     assert len(window) == ROUND_WINDOW and policy.residual("plain", 1) == pytest.approx(0.0)
     before = list(window)
     for _ in range(2 * (QUIET_ROUNDS + 2)):
@@ -870,7 +870,7 @@ def test_rounds_slowed_by_something_else_are_outliers():
         if k < ROUND_SAMPLES - 1:
             assert policy.residuals["plain"] == {}
     assert policy.residual("plain", 1) == pytest.approx(0.0) and not any(policy.answers)
-    assert len(policy._residuals["plain"][1]) == ROUND_WINDOW
+    assert len(policy.timer.windows["plain"][1]) == ROUND_WINDOW
 
 
 def test_profile_loop_measures_a_plain_step_and_leaves_no_trace():

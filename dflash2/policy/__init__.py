@@ -11,9 +11,10 @@ output lossless.
 
 from dflash2.policy.confidence import Calibrator, NodeRates
 from dflash2.policy.cost import CostModel, profile_draft, profile_loop, profile_verify, profile_verify_batch
-from dflash2.policy.goodput import (QUIET_ROUNDS, ROUND_SAMPLES, ROUND_WINDOW, SKIPPED, UNKNOWN_CONFIDENCE, FixedWidth,
-                                    GoodputPolicy, TreeGoodputPolicy, best_cap, best_widths, hopeful)
+from dflash2.policy.goodput import (QUIET_ROUNDS, SKIPPED, UNKNOWN_CONFIDENCE, FixedWidth, GoodputPolicy, TreeGoodputPolicy,
+                                    best_cap, best_widths, hopeful)
+from dflash2.policy.timing import ROUND_SAMPLES, ROUND_WINDOW, RoundTimer
 
 __all__ = ["QUIET_ROUNDS", "ROUND_SAMPLES", "ROUND_WINDOW", "SKIPPED", "UNKNOWN_CONFIDENCE", "Calibrator", "CostModel",
            "FixedWidth", "GoodputPolicy", "NodeRates", "TreeGoodputPolicy", "best_cap", "best_widths", "hopeful",
-           "profile_draft", "profile_loop", "profile_verify", "profile_verify_batch"]
+           "profile_draft", "profile_loop", "profile_verify", "profile_verify_batch", "RoundTimer"]

@@ -40,13 +40,13 @@ import math
 import time
 from collections import Counter, deque
 from itertools import accumulate
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from dflash2.policy.confidence import Calibrator, NodeRates, RoundCounts, survival
 from dflash2.policy.cost import CostModel, by_rows
+from dflash2.policy.timing import DRAFT_WINDOW, RoundTimer
 from dflash2.decoding.sealed import SealedDrafts
 from dflash2.decoding.verify import Draft
 
@@ -55,9 +55,6 @@ from dflash2.decoding.verify import Draft
 # would skip the drafts that could prove it wrong).
 UNKNOWN_CONFIDENCE = 0.9
 SKIPPED = -1  # GoodputPolicy.chosen's key for the row-rounds of a round that drafted nothing
-DRAFT_WINDOW = 5  # drafting rounds per number of rows whose lower median GoodputPolicy expects
-ROUND_WINDOW = 16  # rounds per kind (plain, drafting) and number of rows whose lower-quartile residual it adds
-ROUND_SAMPLES = 4  # plain steps at a number of rows measured before their residual counts (a drafting round's: from the first)
 QUIET_ROUNDS = 30  # skipped rounds at most that GoodputPolicy answers without judging or timing them (drafts())
 HOPE_Z = 2.0  # the optimistic tokens per round a probe needs: this many standard errors above the estimate
 
@@ -96,78 +93,21 @@ class FixedWidth:
         pass
 
 
-@dataclass
-class _Round:
-    """A round GoodputPolicy is timing: its kind ("plain", "draft"), rows, the model's seconds for it
-    (None: not a sample; a drafting round's is set by widths()), when it started, and whether it is
-    one of a probe's rounds."""
-
-    kind: str
-    rows: int
-    modelled: float | None
-    start: float
-    probe: bool = False
-
-
 class GoodputPolicy:
-    """Widths that maximise expected committed tokens per second of the round (module docstring), and
-    before each round whether drafting is expected to pay at all.
+    """Widths that maximise expected committed tokens per second of the round (module docstring), and before
+    each round whether drafting pays at all (`drafts`): a drafting round costs its drafting (the lower median
+    of the last DRAFT_WINDOW measured at this number of rows; `draft_s` seeds it) plus the pass over the
+    widths and the loop's own time (`loop_s`), and commits 1 + Σ_t s̄_t per row; a plain step costs
+    verify_s(rows) and commits one. Every round is also timed (`timer`, dflash2.policy.timing) and what the
+    model missed is added back. A skipped stretch is broken by a probe (one drafting round verified in full,
+    two after skipped rounds) once its cost above plain steps is at most `explore` × the seconds skipped;
+    each probe that confirms skipping halves that share, down to `explore_min`. Skipped rounds that would
+    skip as surely are answered without judging or timing them, up to `quiet_rounds` in a row.
 
-    padded=True for `spec_generate_batch`, whose target pass is [rows, 1 + the widest draft]: every
-    row pays the widest row's width, so the choice is one cap W (each row verifies up to W tokens) and
-    the pass costs verify_s(rows × (W + 1)) (the cost model read in tokens of the padded pass).
-
-    drafts(rows): a round that drafts costs its drafting (at this number of rows: the lower median of
-    the last DRAFT_WINDOW seconds measured, so that one round slowed by a compile of a new shape or by
-    the machine cannot stop drafting for good) plus the pass over the widths chosen, and commits per
-    row 1 + Σ_t s̄_t, s̄ the survival of each position's observed acceptance rate; a plain step costs
-    verify_s(rows) and commits one token per row. When the plain step wins, the round does not draft.
-    So that the estimates can change, a skipped stretch is broken by a probe (one drafting round,
-    verified in full; after skipped rounds two, since the first also reads their features and only
-    the second times drafting alone) once its cost above plain steps is at most `explore` × the
-    seconds skipped since the last one; each probe that confirms skipping halves that share, down to
-    `explore_min`. Exploration thus costs at most that share of the time (a vanishing one while skipping stays
-    right), whatever the number of rows or the price of a wide pass. `draft_s` (rows → seconds, e.g.
-    from `profile_draft`) counts as the first measurement at that number of rows (a prior far too
-    high gives way to the first round measured lower; measured rounds push it out of the window);
-    without it the first round is a probe too (it measures the drafting time). A number of rows not
-    measured yet is estimated from the others (`draft_cost`), so that a draining batch does not probe
-    at every size. `loop_s` (rows → seconds, from `profile_loop`): what the loop spends in a round
-    outside the target pass and the drafting, added to a plain step and to a drafting round alike
-    (without it a plain step looks cheaper against drafting than it is).
-
-    Measured rounds (`clock`, by default time.perf_counter): the model above prices a round from parts
-    profiled apart, and misses what it does not model (a tree's masks, per-row verification and
-    bookkeeping at many rows, a machine slower than at warm-up). So the policy also times every round
-    itself, from one drafts() call to the next (the loop calls it once per round), and keeps per kind
-    (plain step, drafting round) and number of rows the lower quartile of the last ROUND_WINDOW
-    residuals, measured minus modelled seconds (`residual`), a plain step's once ROUND_SAMPLES are in,
-    a drafting round's from the first: a drafting round priced too low goes on costing several plain
-    steps a round (a draining batch at many rows meets each number of rows only a few times), one
-    priced too high only until the next probe measures it again. A plain step's residual is added to
-    every plain step, a drafting round's to every drafting round (a plain step's until drafting rounds
-    are measured). Rounds whose drafting is not timed (a generation's first, the
-    first after skipped rounds) are not residuals. A gap that also holds something else (a newcomer's
-    prefill in a batch, which can come several rounds running as rows finish together; the caller's
-    work between generations) only adds time, and the lower quartile drops up to three in four of them.
-    A probe's rounds are timed too: what they took above the plain steps they replaced (the lower
-    median of the last DRAFT_WINDOW probes at that number of rows, `probe_cost`) replaces the model's
-    estimate in the share test, which misses what the first round after skipped rounds spends reading
-    their features. The model's price for the first probe at a number of rows stays in that window
-    until measured probes push it out, so that one probe slowed a thousandfold (a compile of a shape not
-    seen before, in a timed round) counts only once a second probe confirms it; without that, one such
-    probe priced every later one at seconds, and a policy that had stopped drafting never probed again.
-    The model's price leaves out a drafting round's measured residual for the same reason. clock=None:
-    the model alone (what the tests of its arithmetic use).
-
-    Quiet stretches: a skipped round whose following rounds would skip as surely (nothing they time can
-    change the answer before the probe comes: a skip changes no estimate, and the share test's sums are
-    known ahead) answers the next of them, up to `quiet_rounds`, with a counter, neither judging nor
-    timing them: inside a decode the full call costs several times what it costs alone (docs/results.md,
-    "The policy's call in a skipped round"). A stretch starts only once a plain step's residual window at
-    that number of rows is full, and only after a round it timed; the first full call after a stretch
-    opens a round and the next closes it, so that the window goes on taking one sample per stretch.
-    Without a clock the answers are those of the full calls (tests/test_policy.py)."""
+    padded=True for `spec_generate_batch`, whose pass is [rows, 1 + the widest draft]: one cap for every
+    row (best_cap), priced as rows × (cap + 1) tokens. clock=None: the model alone, nothing timed (what the
+    tests of its arithmetic use). docs/architecture.md ("The adaptive policy") gives the reasons for each
+    rule."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
     quiet_rounds = QUIET_ROUNDS  # the longest quiet stretch (0: every call judges and times its round)
@@ -192,16 +132,7 @@ class GoodputPolicy:
         self._stale = False  # rounds were skipped since the last draft: the next one reads their features too
         self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
-        self.clock = clock
-        # kind ("plain", "draft") → rows → the last residuals (measured − modelled seconds of a round), and their lower quartile
-        self._residuals: dict[str, dict[int, deque]] = {"plain": {}, "draft": {}}
-        self.residuals: dict[str, dict[int, float]] = {"plain": {}, "draft": {}}
-        self._round: _Round | None = None  # the round in flight
-        # rows → the seconds the last probes took above plain steps (a probe's rounds together), and their lower median
-        self._probe_window: dict[int, deque] = {}
-        self.probe_s: dict[int, float] = {}
-        # the probe in flight: [rows, seconds above plain so far, rounds left, the model's seconds above plain]
-        self._probe_open: list | None = None
+        self.timer = RoundTimer(clock)  # every round timed: what the model misses (dflash2.policy.timing)
         # quiet stretches (drafts()): the rounds the last skip showed to skip as surely, the rounds left of the
         # stretch answered without judging or timing them, its number of rows and a plain step's seconds
         self._skips_ahead = self._quiet = self._quiet_rows = 0
@@ -251,64 +182,29 @@ class GoodputPolicy:
         return by_rows(self.loop_s, rows) or 0.0
 
     def residual(self, kind: str, rows: int) -> float:
-        """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured
-        (the lower quartile of the last ROUND_WINDOW, a plain step's once ROUND_SAMPLES are in; read like draft_cost);
-        a drafting round's is a plain step's until drafting rounds are measured (what the model misses
-        in a plain step it misses in a drafting round too); 0 before any or without a clock."""
-        table = self.residuals[kind] or (self.residuals["plain"] if kind == "draft" else {})
-        return by_rows(table, rows) or 0.0
+        """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured."""
+        return self.timer.residual(kind, rows)
+
+    @property
+    def residuals(self) -> dict[str, dict[int, float]]:
+        """kind → rows → the measured residual (RoundTimer)."""
+        return self.timer.residuals
 
     def plain_cost(self, rows: int) -> float:
         """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
         return self._plain_model(rows) + self.residual("plain", rows)
 
     def _time_round(self, now: float | None, kind: str | None, rows: int, modelled: float | None) -> bool:
-        """Close the round in flight at `now` (its residual joins the window of its kind and rows when it
-        is a sample) and start the next one then (kind None: none). One clock reading serves both: the
-        policy's own seconds belong to the round it decides. Returns whether the round closed was a
-        plain step's sample at `rows` rows."""
-        if now is None:
-            return False
-        done = self._round
-        if done is not None and done.probe and self._probe_open is not None:
-            self._close_probe_round(now - done.start)
-        if done is not None and done.modelled is not None:
-            windows = self._residuals[done.kind]
-            window = windows.get(done.rows)
-            if window is None:
-                window = windows[done.rows] = deque(maxlen=ROUND_WINDOW)
-            window.append(now - done.start - done.modelled)
-            if len(window) >= (1 if done.kind == "draft" else ROUND_SAMPLES):
-                low = sorted(window)[(len(window) - 1) // 4]  # the lower quartile: a gap that held more only adds
-                before = self.residuals[done.kind].get(done.rows)
-                self.residuals[done.kind][done.rows] = low
-                # the estimates change: whether drafting pays is judged again (not for a plain step's residual
-                # that moved by less than a twentieth of the step, so that not every round re-judges)
-                if done.kind == "draft" or before is None or abs(low - before) > 0.05 * max(done.modelled, 1e-12):
-                    self._pays.clear()
-        self._round = None if kind is None else _Round(kind, rows, modelled, now, self._probe_open is not None)
-        return done is not None and done.modelled is not None and done.kind == "plain" and done.rows == rows
-
-    def _close_probe_round(self, seconds: float) -> None:
-        """A probe's round took `seconds`: its time above a plain step counts toward the probe's cost,
-        which joins the window of its number of rows after the probe's last round."""
-        probe = self._probe_open
-        rows = probe[0]
-        probe[1] += max(0.0, seconds - self.plain_cost(rows))
-        probe[2] -= 1
-        if probe[2] == 0:
-            # the model's price for the first probe at this number of rows is the window's first entry: one
-            # probe slowed far beyond it (a compile of a new shape in its rounds) does not rule alone
-            window = self._probe_window.setdefault(rows, deque([probe[3]], maxlen=DRAFT_WINDOW))
-            window.append(probe[1])
-            self.probe_s[rows] = sorted(window)[(len(window) - 1) // 2]  # the lower median
-            self._probe_open = None
+        """The timer's tick (RoundTimer.tick); estimates that changed are judged again. Returns whether the round
+        closed was a plain step's sample at `rows` rows."""
+        sampled, changed = self.timer.tick(now, kind, rows, modelled, self.plain_cost)
+        if changed:
+            self._pays.clear()
+        return sampled
 
     def probe_cost(self, rows: int, modelled: float) -> float:
-        """The seconds a probe at `rows` rows costs above the plain steps it replaces: as measured (at
-        that number of rows, else read like draft_cost), else `modelled`."""
-        measured = by_rows(self.probe_s, rows)
-        return modelled if measured is None else measured
+        """The seconds a probe at `rows` rows costs above the plain steps it replaces (RoundTimer.probe_cost)."""
+        return self.timer.probe_cost(rows, modelled)
 
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
@@ -323,22 +219,17 @@ class GoodputPolicy:
             self.chosen[SKIPPED] += rows
             return False
         self._quiet = 0  # (a stretch ends at another number of rows: what it showed held only at its own)
-        now = None if self.clock is None else self.clock()
+        now = self.timer.now()
         sampled = self._time_round(now, None, rows, None)  # the round before this one ends here
         drafting = self._drafts(rows)
-        if not drafting and self._skips_ahead and (now is None or sampled and self._residuals_full(rows)):
+        if not drafting and self._skips_ahead and (now is None or sampled and self.timer.window_full(rows)):
             # the next rounds skip too, whatever they would time: answered without judging or timing them
             # (this round is not timed either; the first full call after them opens a round, the next closes it)
-            self._quiet, self._quiet_rows, self._round = self._skips_ahead, rows, None
+            self._quiet, self._quiet_rows, self.timer.round = self._skips_ahead, rows, None
             return False
         # a drafting round's model is known once its widths are (widths()); a plain step's now
         self._time_round(now, "draft" if drafting else "plain", rows, None if drafting else self._plain_model(rows))
         return drafting
-
-    def _residuals_full(self, rows: int) -> bool:
-        """Whether a plain step's residual window at `rows` rows is full (no quiet stretch before it is)."""
-        window = self._residuals["plain"].get(rows)
-        return window is not None and len(window) == ROUND_WINDOW
 
     def _drafts(self, rows: int) -> bool:
         self._skips_ahead = 0  # (set below where this round skips and the next ones would as surely)
@@ -376,8 +267,7 @@ class GoodputPolicy:
         # features, so only the second times drafting); the next may cost half the share
         self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
         self._probing, self._probe_again = True, self._stale
-        if self.clock is not None:
-            self._probe_open = [rows, 0.0, rounds, probe_extra * rounds]
+        self.timer.open_probe(rows, rounds, probe_extra * rounds)
         return True
 
     def widths(self, drafts: SealedDrafts, draft_s: float | None) -> list[int]:
@@ -400,8 +290,8 @@ class GoodputPolicy:
             widths = self._stopping_widths(drafts, draft_s)
         if drafted:
             self.chosen.update(widths)
-        if self._round is not None and self._round.kind == "draft":  # the round's model, when it is a sample
-            self._round.modelled = self._drafting_model(draft_s, widths) if sample else None
+        if self.timer.round is not None and self.timer.round.kind == "draft":  # the round's model, when a sample
+            self.timer.round.modelled = self._drafting_model(draft_s, widths) if sample else None
         return widths
 
     def _stopping_widths(self, drafts: SealedDrafts, draft_s: float) -> list[int]:
