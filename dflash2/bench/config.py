@@ -13,7 +13,8 @@ import torch
 from dflash2.bench.prompts import NAMES, SUITES
 
 SETTINGS = {"greedy": dict(temperature=0.0, top_k=0, top_p=1.0),
-            "sampling": dict(temperature=1.0, top_k=20, top_p=0.95)}
+            "sampling": dict(temperature=1.0, top_k=20, top_p=0.95),  # the model cards' (Qwen3)
+            "t1": dict(temperature=1.0, top_k=0, top_p=1.0)}  # the target's own distribution, untruncated
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
