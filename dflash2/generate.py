@@ -26,6 +26,7 @@ from dflash2.drafter.model import DFlash2Drafter
 from dflash2.decoding.loop import ar_generate, spec_generate
 from dflash2.overrides import load_yaml_with_overrides
 from dflash2.decoding.sampling import SamplingParams
+from dflash2.targets.gguf import SMOLLM2, is_gguf
 
 GREEN, RESET = "\033[32m", "\033[0m"
 COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
@@ -116,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--prompt is empty")
     for flag in ("target", "drafter"):
         where = getattr(args, flag)
-        if where and not Path(where).expanduser().is_dir() and not looks_like_hub_id(where):
-            raise UsageError(f"--{flag} {where}: no such directory (and not a hub id of the form owner/name)")
+        named = flag == "target" and where and (where == SMOLLM2 or (is_gguf(where) and Path(where).is_file()))
+        if where and not named and not Path(where).expanduser().is_dir() and not looks_like_hub_id(where):
+            extra = f", a .gguf file or '{SMOLLM2}'" if flag == "target" else ""
+            raise UsageError(f"--{flag} {where}: no such directory (and not a hub id of the form owner/name{extra})")
     if args.selector is not None:
         from dflash2.registry import SELECTORS
 

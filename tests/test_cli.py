@@ -53,6 +53,7 @@ def test_demo_sampling_with_config_and_block_size():
     (["--verify", "forest"], "invalid choice"),
     (["--target", "/nonexistent", "--drafter", "/nonexistent"], "--target /nonexistent: no such directory"),
     (["--target", "z-lab/some-target", "--drafter", "./missing"], "--drafter ./missing: no such directory"),
+    (["--target", "missing.gguf", "--drafter", "."], "--target missing.gguf: no such directory (and not a hub id"),
     (["--block-size", "100"], "trained with blocks of 16"),
     (["--prompt", "x" * 100_000], "exceeds the target's 2048 positions"),
     (["--target", "/nonexistent"], "go together"),
@@ -66,6 +67,13 @@ def test_bad_input_one_line_exit_2(args, message):
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert "Traceback" not in out.stderr
     assert len(out.stdout) < 1000  # a rejected prompt is not echoed
+
+
+def test_a_named_target_passes_the_checks_without_loading_it():
+    """`--target smollm2` (the train CLI prints it for a run on SmolLM2) is a name, not a directory: the dry run
+    accepts it and fetches nothing."""
+    out = run_cli("--target", "smollm2", "--drafter", "dflash2/embedded/dflash2", "--dry-run")
+    assert out.returncode == 0 and "--target smollm2" in out.stdout, out.stderr
 
 
 def test_bad_input_is_rejected_before_any_weights_load():
