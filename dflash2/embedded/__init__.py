@@ -17,6 +17,9 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("dflash2", "dflash1")
+# the DFlash-2 drafter trained for SmolLM2-135M-Instruct (the `smollm2` target, fetched from PyPI at first use):
+# what `python -m dflash2.generate` runs by default when this installation has it
+SMOLLM2_DRAFTER = "smollm2_dflash2"
 
 
 def embedded_path(name: str) -> Path:
@@ -26,6 +29,12 @@ def embedded_path(name: str) -> Path:
 def available(variant: str = "dflash2") -> bool:
     return all((HERE / d / f).is_file() for d, f in (("tokenizer", "tokenizer.json"), ("target", "config.json"),
                                                         (variant, "model.safetensors")))
+
+
+def smollm2_drafter() -> Path | None:
+    """The directory of the SmolLM2 drafter in this installation, or None."""
+    path = HERE / SMOLLM2_DRAFTER
+    return path if (path / "model.safetensors").is_file() else None
 
 
 def token_counts() -> torch.Tensor:
