@@ -55,11 +55,9 @@ class VerifyPolicy(Protocol):
     number verified and the indices of those accepted (a path: 0..a-1; a tree: the accepted nodes from
     the anchor down), for online calibration.
 
-    Why sealed: at T > 0 whether token t is verified must not depend on token t's value, and c_{t+1}
-    may read it (DSpark's head reads the token before each position). A policy sees no tokens, and
-    c_t only once it has committed to verify tokens 0..t-1, so every width it can return is a
-    stopping rule, lossless by construction (dflash2.decoding.sealed; tests/test_policy.py enumerates the
-    output distribution, and a global-argmax mutant is refused)."""
+    Sealed because at T > 0 whether token t is verified must not depend on its value, which c_{t+1}
+    may read: a policy sees no tokens, and c_t only once it has committed to tokens 0..t-1, so every
+    width it returns is a stopping rule (dflash2.decoding.sealed; docs/architecture.md)."""
 
     def drafts(self, rows: int) -> bool: ...
 

@@ -164,13 +164,9 @@ def best_first_tree(ids: Tensor, first: Tensor, steps: Tensor, max_nodes: int) -
     best-first from the anchor. Siblings come out best first, which is the order they are tried.
     The selector's greedy path is the tree's first branch.
 
-    Nodes leave a heap keyed (-value, depth, candidate, parent) in order. A node's successors are
-    pushed one at a time, best first (ties: the lower candidate first): its best child when it is
-    taken, and its next sibling when it is taken, so the heap holds about two entries per node
-    rather than K. Every node not pushed yet ranks after one that is (its previous sibling, or its
-    parent), so the nodes come out as from a heap of all of them (siblings whose log-probabilities
-    differ by less than the rounding of their path's value may swap: equal values, either order
-    best-first).
+    A heap keyed (-value, depth, candidate, parent) holds about two entries per node: a node pushes its
+    best child and its next sibling when it is taken, and every node not pushed yet ranks after one that
+    is, so nodes leave as from a heap of all of them (siblings equal to rounding may swap).
     """
     L, K = ids.shape
     if L == 0 or max_nodes <= 0:

@@ -9,6 +9,7 @@ and a path selector.
     heads.py             candidate head: top-K ids and scores per position
     selectors/           one file per method: codebook.py (argmax, walk, Viterbi), dspark.py, lilicorr.py;
                          contract.py checks a researcher's own
-    reference_format.py  the published checkpoint layout (DFlash-1, DFlash 2, DSpark, LiLiCorr)
+    reference_format.py  the published checkpoint layout (DFlash-1, DFlash 2, DSpark, LiLiCorr);
+                         reference_rope.py its RoPE fields
     draft_vocab.py       a reduced draft vocabulary
 """

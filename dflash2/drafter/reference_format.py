@@ -26,7 +26,6 @@ field for field (docs/checkpoints.md lists every field and what is added on expo
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Collection
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from torch import Tensor
 
 from dflash2.config import DFlash2Config
+from dflash2.drafter.reference_rope import qwen3_defaults, rope_from_reference, rope_to_reference
 
 V1, V2, DSPARK, LILICORR = "DFlashDraftModel", "DFlash2DraftModel", "Qwen3DSparkModel", "LiLiCorrDraftModel"
 ARCHITECTURES = (V1, V2, DSPARK, LILICORR)
@@ -104,7 +104,7 @@ def config_from_reference(meta: dict[str, Any], tensor_names: Collection[str] | 
         raise ValueError("reference config has attention_bias: true; dflash2's drafter layers have no projection biases")
     if meta.get("hidden_act", "silu") != "silu":
         raise ValueError(f"reference config has hidden_act {meta['hidden_act']!r}; dflash2's MLP is SwiGLU (silu)")
-    qwen3 = _qwen3_defaults()
+    qwen3 = qwen3_defaults()
     fields: dict[str, Any] = {ours: meta.pop(theirs) if theirs in meta else getattr(qwen3, theirs)
                               for theirs, ours in SIZES.items()}
     fields["num_target_layers"] = meta.pop("num_target_layers")
@@ -135,7 +135,7 @@ def config_from_reference(meta: dict[str, Any], tensor_names: Collection[str] | 
             raise ValueError(f"draft_vocab_size {draft_vocab} < vocab_size {fields['vocab_size']} needs the tensors d2t "
                              "and lm_head.weight (its rows), which the checkpoint lacks")
         fields["draft_vocab_size"], fields["own_lm_head"] = int(draft_vocab), True
-    fields["rope_parameters"] = _rope_from_reference(meta)
+    fields["rope_parameters"] = rope_from_reference(meta)
     # attention layout, as Qwen3Config resolves it
     use_window = bool(meta.pop("use_sliding_window", False))
     raw_window = meta.pop("sliding_window", None)
@@ -305,7 +305,7 @@ def reference_from_config(config: DFlash2Config, dtype: torch.dtype | None = Non
     meta["num_target_layers"] = config.num_target_layers
     if extra.get("top_block_size", config.block_size) is not None:  # kept unless the imported file lacked it
         meta["block_size"] = config.block_size
-    meta.update(_rope_to_reference(config.rope_parameters, present if imported else {"rope_parameters"}))
+    meta.update(rope_to_reference(config.rope_parameters, present if imported else {"rope_parameters"}))
     # attention layout: explicit wherever an engine could read it differently
     layout = config.attention_layout
     sliding = [t == "sliding_attention" for t in (config.layer_type(i) for i in range(config.num_layers))]
@@ -414,50 +414,6 @@ def state_from_reference(tensors: dict[str, Tensor], expected: dict[str, Tensor]
 def reference_from_state(state: dict[str, Tensor], arch: str = V2) -> dict[str, Tensor]:
     """Our state dict → the published tensor names (codebooks without `.weight`, as released)."""
     return {_theirs(name, arch): tensor for name, tensor in state.items()}
-
-
-def _rope_from_reference(meta: dict[str, Any]) -> dict[str, Any]:
-    """Pop the RoPE fields (transformers 5 `rope_parameters`, or `rope_theta` + `rope_scaling`, and a
-    top-level `partial_rotary_factor`) → one rope_parameters dict, as transformers standardises them."""
-    params = dict(meta.pop("rope_parameters", None) or meta.pop("rope_scaling", None) or {})
-    meta.pop("rope_scaling", None)
-    theta = meta.pop("rope_theta", None)
-    partial = meta.pop("partial_rotary_factor", None)
-    params["rope_type"] = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    params.setdefault("rope_theta", float(theta if theta is not None else _qwen3_defaults_theta()))
-    if partial is not None:
-        params.setdefault("partial_rotary_factor", partial)
-    return params
-
-
-def _rope_to_reference(params: dict[str, Any], present: set[str]) -> dict[str, Any]:
-    """rope_parameters → the fields of the imported file's format (rope_parameters for a new export)."""
-    params = dict(params)
-    out: dict[str, Any] = {}
-    if "partial_rotary_factor" in present and "partial_rotary_factor" in params:
-        out["partial_rotary_factor"] = params.pop("partial_rotary_factor")
-    if "rope_parameters" in present or not present & {"rope_theta", "rope_scaling"}:
-        out["rope_parameters"] = params
-        if "rope_theta" in present:
-            out["rope_theta"] = params["rope_theta"]
-        return out
-    out["rope_theta"] = params.pop("rope_theta")
-    if params.get("rope_type", "default") != "default" or len(params) > 1 or "rope_scaling" in present:
-        out["rope_scaling"] = params
-    return out
-
-
-@functools.cache
-def _qwen3_defaults():
-    from transformers import Qwen3Config
-
-    return Qwen3Config()
-
-
-def _qwen3_defaults_theta() -> float:
-    params = getattr(_qwen3_defaults(), "rope_parameters", None) or {}
-    return float(params.get("rope_theta", getattr(_qwen3_defaults(), "rope_theta", 10000.0)))
 
 
 def split_draft_head(tensors: dict[str, Tensor], vocab_size: int) -> tuple[dict[str, Tensor], Tensor]:

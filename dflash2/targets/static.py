@@ -56,25 +56,15 @@ SUPPORTED = ("qwen3", "qwen2", "llama", "mistral")
 
 
 class StaticTarget(StaticCacheOps, TargetAdapter):
-    """A TargetAdapter whose batch-1 passes run the model's layers directly over a StaticCache.
+    """A TargetAdapter that runs the model's layers directly over a StaticCache (module docstring).
 
-    capacity: slots per sequence (default: the model's max_position_embeddings, or 4096).
-    compile: put the step through torch.compile (dynamic rows, widths and slots), compiled before the first pass (batch 1:
-           every pass but a prefill; batches: one-token passes).
-    fused: run the decoder written out (dflash2.targets.fused: q/k/v and gate/up as one matrix each,
-           oneDNN-prepacked on CPU) where the model's layers allow it (`fused_reason` says why not
-           otherwise); False: always the model's own layer modules.
-    linear_dtype: the dtype of the fused step's matrix products, the LM head's included (None: the
-           model's). "bfloat16" on a float32 model: bfloat16 products on CPUs that have them natively,
-           float32 everywhere else (residual stream, norms, attention, cache). This changes the target's
-           arithmetic: decoding through this StaticTarget is lossless with respect to it, not to the
-           model's own forward (dflash2.targets.fused). Needs the fused step.
-    gemm: how the compiled fused step multiplies (dflash2.compile.gemm_choice). "inductor" (what "auto" picks
-           for a compiled fused step on CPU): the weights frozen into each graph as constants, each
-           product one of inductor's C++ GEMM kernels (or ATen's, whichever its timing at compile time
-           prefers); the calls into oneDNN cost more than a small model's products. Each graph then
-           holds its own packed copy of the weights, and the warm-up takes minutes (the timing).
-           "aten": the prepacked oneDNN call (F.linear off the CPU), the weights shared by every graph.
+    capacity: slots per sequence (default: max_position_embeddings, or 4096). compile: the step through
+    torch.compile, dynamic rows, widths and slots, each kind of pass with graphs of its own. fused: the
+    decoder written out (dflash2.targets.fused) where the model allows it (`fused_reason` says why not);
+    False: the model's own layer modules. linear_dtype: the fused step's matrix products, the LM head's
+    included ("bfloat16" on a float32 model: another arithmetic, lossless with respect to itself).
+    gemm: how the compiled fused step multiplies (dflash2.compile.gemm_choice: "inductor", its own C++
+    kernels over weights frozen into each graph; "aten", the prepacked oneDNN call shared by every graph).
     """
 
     def __init__(self, model: nn.Module, layer_ids: tuple[int, ...] = (), *, capacity: int | None = None,

@@ -208,23 +208,17 @@ LOSS_CHUNK_ELEMENTS = 2**24  # logits alive at once in the loss: its memory boun
 def drafter_losses(drafter: DFlash2Drafter, target: TargetAdapter, out: BlockOutputs, *, gamma: float | None,
                    target_hidden: Tensor | None = None, selector_alpha: float = 0.0, confidence_alpha: float = 0.0,
                    denominators: tuple[float, float] | None = None, chunk: int | None = None) -> Losses:
-    """Backbone (soft) cross-entropy with position decay, plus α · teacher-forced K-way selector loss,
-    plus β · the confidence head's binary cross-entropy (a selector with one: DSpark's),
-    computed `chunk` rows at a time: no [N, A, L, V] tensor (drafter or target side) is ever whole.
+    """Backbone (soft) cross-entropy with position decay, plus α · the teacher-forced K-way selector loss,
+    plus β · the confidence head's binary cross-entropy (DSpark's), `chunk` rows at a time (None: as many
+    as LOSS_CHUNK_ELEMENTS logits allow): no [N, A, L, V] tensor is ever whole. Over the draft vocabulary
+    where the drafter has one (a label outside it carries no loss).
 
-    The selector term: a selector with `edge_scores` scores each position's candidates as U + its
-    pairwise term from the true previous token; one without (LiLiCorr) is scored along the gold path of
-    its own `lattice` (first[gold_0], then steps[t-1, gold_{t-1}, ·]), its features the candidates'
-    log-probabilities (not differentiated). The confidence term: the head's c_t against whether that
-    teacher-forced greedy pick is the label (its target is not differentiated; nor is the hidden state
-    it reads, so the head calibrates without moving the backbone).
-
-    target_hidden [N, A, L, H_t]: the target's final hidden state at the position before each label
-    (soft targets: the target's distribution, from its own LM head, chunk by chunk), or None (hard
-    labels). The backbone loss is Σ w_k·m·ce / Σ w_k·m over the labels' weights m (`out.weights`),
-    the selector's Σ m·ce / Σ m; `denominators` (backbone, selector) replaces the two sums, so that
-    micro-batches of one step add up to the step's loss (gradient accumulation). `chunk` rows at a time
-    (None: as many as LOSS_CHUNK_ELEMENTS logits allow)."""
+    The selector scores each position's candidates as U + its pairwise term from the true previous token
+    (`edge_scores`), or along the gold path of its own lattice (LiLiCorr); the confidence head learns
+    whether the teacher-forced pick is the label, reading detached hidden states. target_hidden [N, A, L,
+    H_t]: soft targets from the target's own head (None: hard labels). The backbone loss is Σ w_k·m·ce /
+    Σ w_k·m, the selector's Σ m·ce / Σ m; `denominators` replaces the two sums so that micro-batches add
+    up to the step's loss (docs/training.md)."""
     N, A, L, H = out.hidden.shape
     vocab = drafter.draft_vocab  # [V'] token ids the head drafts among (None: all V): the loss is over them only
     V = target.vocab_size if vocab is None else vocab.numel()
