@@ -61,11 +61,12 @@ def load_target():
 
 
 @torch.no_grad()
-def verify_curve(model, repeats: int) -> dict:
-    """ms of one target pass of w tokens after CONTEXT cached ones, batch 1, float32 and bfloat16 products."""
+def verify_curve(model, repeats: int, compile: bool = False) -> dict:
+    """ms of one target pass of w tokens after CONTEXT cached ones, batch 1, float32 and bfloat16 products
+    (compile: the StaticTarget's step through torch.compile, as the bench runs it)."""
     widths = (1, 2, 4, 8, 16, 32, 64)
     out = {}
-    targets = {name: StaticTarget(model, capacity=CONTEXT + 80, linear_dtype=dt)
+    targets = {name: StaticTarget(model, capacity=CONTEXT + 80, linear_dtype=dt, compile=compile)
                for name, dt in (("float32", None), ("bfloat16", "bfloat16"))}
     prompt = torch.randint(100, 40000, (1, CONTEXT))
     caches = {}
@@ -152,6 +153,7 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--vocabs", nargs="+", default=["full", "16384", "8192", "4096"])
+    p.add_argument("--compile", action="store_true", help="the target's step compiled (minutes of warm-up)")
     p.add_argument("--out", type=Path, default=ROOT / "docs" / "results" / "real_target" / "costs.json")
     args = p.parse_args()
     vocabs = [None if v == "full" else int(v) for v in args.vocabs]
@@ -160,7 +162,8 @@ def main() -> int:
               "load_before": os.getloadavg(), "bandwidth_gbs": bandwidth_gbs(),
               "gemm_gflops": {"float32": gemm_gflops(torch.float32), "bfloat16": gemm_gflops(torch.bfloat16)}}
     if "verify" in args.part:
-        record["verify"] = verify_curve(model, args.repeats)
+        record["verify"] = verify_curve(model, args.repeats, args.compile)
+        record["verify"]["compiled"] = args.compile
     if "draft" in args.part:
         record["draft_round_ms"] = draft_costs(model, args.repeats, args.depths, vocabs)
     if "train" in args.part:
