@@ -16,7 +16,7 @@ import dataclasses
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 
@@ -118,7 +118,7 @@ def run_llama(cfg: BenchConfig, drafters: dict, target, prompter, prompts: Promp
                     total = None
                     for _ in conv.turns:
                         out = server.complete(prompter.ids(prompts, conv, answers), cfg.max_new_tokens,
-                                              seed=cfg.seed + 1000 * rep + p, **_sampling(setting))
+                                              seed=cfg.seed + 1000 * rep + p, **setting)
                         answers.append(prompter.text(out.tokens))
                         result = result + LlamaResult(out.drafts, out.accepted)
                         run = Run(len(out.tokens), out.seconds, outputs=[out.tokens])
@@ -128,6 +128,3 @@ def run_llama(cfg: BenchConfig, drafters: dict, target, prompter, prompts: Promp
             result = dataclasses.replace(result, error=f"{type(error).__name__}: {str(error).splitlines()[0]}")
         yield method, result
 
-
-def _sampling(setting: dict[str, Any]) -> dict[str, Any]:
-    return dict(temperature=setting["temperature"], top_k=setting["top_k"], top_p=setting["top_p"])

@@ -204,11 +204,11 @@ class Run:
         ids, lengths, label_mask = self.data.batch(indices, self.pad_id)
         anchors, valid = sample_masked_anchors(label_mask, lengths, B, self.cfg.anchors_per_seq, generator)
         ids, label_mask = ids.to(self.device), label_mask.to(self.device)
-        attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
         if self.features is not None:  # cached once for the dataset
             dtype = self.adapter.model.get_input_embeddings().weight.dtype
             return (ids, self.features.batch(indices, ids.shape[1], dtype).to(self.device), anchors.to(self.device),
                     valid.to(self.device), label_mask, None)
+        attention = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
         with torch.no_grad():  # the frozen target: features of every position, its final hidden state
             t_out = self.adapter.model(input_ids=ids, attention_mask=attention, output_hidden_states=True,
                                        use_cache=False, logits_to_keep=1)

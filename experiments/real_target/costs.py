@@ -14,9 +14,7 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,18 +26,14 @@ from dflash2 import DFlash2Drafter, StaticTarget, TargetAdapter, TorchRandom  # 
 from dflash2.targets.gguf import resolve_target  # noqa: E402
 from dflash2.train.forward import drafter_losses, masked_block_forward, sample_masked_anchors  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "experiments"))
+from roofline import timed  # noqa: E402  (the median of repeated calls, as the embedded roofline times)
+
 CONTEXT = 300  # cached positions before a measured pass: a typical answer's middle
 
 
 def median_ms(fn, repeats: int, warm: int = 3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(times)
+    return 1e3 * timed(fn, repeats, warm)
 
 
 def bandwidth_gbs() -> float:
