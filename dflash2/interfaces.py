@@ -4,29 +4,15 @@
     TreeDrafter      + propose_tree: a token tree per round        spec_generate(verify="tree")
     BatchDrafter     + new_context_batch, propose_batch,           spec_generate_batch: every row in one
                        propose_tree_batch                          drafter pass (else one cache per row)
-    CheckedDrafter   + check_target: refuses a target it cannot    every loop, before the first pass
-                       read (sizes, layers)
-    Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector),
-                                                                   drafter.with_selector(name or object)
-    VerifyPolicy     how many drafted tokens of each row to verify  spec_generate(policy=...),
-                     (dflash2.policy: FixedWidth, GoodputPolicy)   spec_generate_batch(policy=...)
+    CheckedDrafter   + check_target: refuses a target it cannot read (every loop, before the first pass)
+    Selector         the path through the B×K candidate lattice    DFlash2Drafter(config.selector)
+    VerifyPolicy     how many drafted tokens of each row to verify  spec_generate(policy=...)
 
-A new drafter implements `Drafter` (and the others where it can); nothing else is probed. The loops
-check with isinstance against these runtime-checkable protocols (which test that the members exist;
-their signatures are the contract below). tests/test_interfaces.py decodes losslessly with a drafter
-written against `Drafter` alone, and with a selector written against `Selector` alone, registered
-by name (`dflash2.register_selector`). The types a selector reads and returns are here too:
-`Candidates` (ids and scores of the top-K per position), `RoundContext` (what a selector that
-declares `reads_context` reads beyond them) and `Draft` (tokens, at T > 0 the candidates and the
-proposal q they were drawn from, and a confidence per token where the drafter has one).
-
-Confidence: `Draft.confidence` [L] is the one signal of how likely each drafted token is to survive
-verification: c_t = P(token t accepted | tokens < t accepted), so the chance that the first t tokens
-all survive is Π_{s<=t} c_s. A selector with a confidence head (DSpark's) fills it; a policy that
-decides how many tokens to verify reads it through `SealedDrafts`, one position at a time. c_t may
-read the context and tokens 0..t-1, never token t itself (DSpark's head reads the token before each
-position; `dflash2.policy.confidence.lattice_confidence` reads token t's own probability, so it is never put
-here). The verifier never reads it, so no value of it can change what is committed.
+A new drafter implements `Drafter` (and the others where it can); nothing else is probed, with
+isinstance against these runtime-checkable protocols. Also here: `Candidates` (top-K ids and scores),
+`RoundContext` (what a selector may read beyond them), `Draft` (tokens, at T > 0 the candidates and
+proposal q, and `confidence`: c_t = P(token t accepted | tokens < t accepted), which may read tokens
+0..t-1, never token t; the verifier never reads it).
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """The named pieces a config chooses (`selector: walk`, `conv: two_tap`): the built-in ones and a
 researcher's own, registered once and then named by any config, CLI flag or saved drafter.
 
-    from dflash2 import register_selector
-
     @register_selector("no_repeat")          # or register_selector("no_repeat", NoRepeat)
     class NoRepeat:                          # a dflash2.Selector; built as NoRepeat(config)
         ...
-
-    drafter.with_selector("no_repeat")       # or DFlash2Config(selector="no_repeat"), drafter.selector=no_repeat
+    drafter.with_selector("no_repeat")       # or DFlash2Config(selector="no_repeat")
 
 A name of the form "package.module:Name" needs no registration: the module is imported and `Name`
-registered under that name, so a config file or a saved drafter can name a selector that lives in the
-researcher's own package. A factory is called with the drafter's DFlash2Config and returns the piece:
-for a selector, an object with the members of `dflash2.interfaces.Selector` (checked when it is built:
-docs/architecture.md, "Extending"); for a convolution, an nn.Module `conv(h, sublayer, rows)` around
-one sublayer (`dflash2.drafter.conv`: built twice per layer, before the attention and before the MLP).
+registered under that name. A factory is called with the drafter's DFlash2Config and returns the
+piece: a selector has the members of `dflash2.interfaces.Selector` (checked when built); a
+convolution is an nn.Module `conv(h, sublayer, rows)` around one sublayer (`dflash2.drafter.conv`).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def main() -> int:
         rounds = sum(policy.chosen.values())
         print(f"{k}: skipped {policy.chosen.get(-1, 0)} of {rounds} rounds; drafting expected "
               f"{ {r: round(1e3 * s, 2) for r, s in policy.draft_s.items()} } ms; residuals "
-              f"{ {kind: {r: round(1e3 * s, 2) for r, s in t.items()} for kind, t in policy.residuals.items()} } ms")
+              f"{ {kind: {r: round(1e3 * s, 2) for r, s in t.items()} for kind, t in policy.timer.residuals.items()} } ms")
     return 0
 
 

@@ -475,9 +475,9 @@ def test_probes_keep_to_their_share_of_the_time_as_measured():
     backlog = lambda p: 10.0 if p.answers[-2:-1] == [False] else 3.9  # noqa: E731 (after skipped rounds: their backlog)
     assert _run_blind(policy, 150, clock, backlog) == [0, 12, 13, 37, 38, 86, 87, 135, 136]
     assert policy.residual("draft", 1) == pytest.approx(0.0)
-    assert policy.timer.probe_s == {1: pytest.approx(11.9)} and policy.probe_cost(1, 5.8) == pytest.approx(11.9)
-    assert policy.probe_cost(2, 5.8) == pytest.approx(23.8)  # more rows: scaled from the most measured
-    assert CountedGoodput(cost, positions=4).probe_cost(1, 5.8) == 5.8  # nothing measured: the model's
+    assert policy.timer.probe_s == {1: pytest.approx(11.9)} and policy.timer.probe_cost(1, 5.8) == pytest.approx(11.9)
+    assert policy.timer.probe_cost(2, 5.8) == pytest.approx(23.8)  # more rows: scaled from the most measured
+    assert CountedGoodput(cost, positions=4).timer.probe_cost(1, 5.8) == 5.8  # nothing measured: the model's
 
 
 @pytest.mark.parametrize("stalled", [0, 13], ids=["first-round", "probe"])
@@ -498,7 +498,7 @@ def test_one_stalled_round_does_not_stop_the_probes(stalled):
     stall = lambda p: 1000.0 if len(p.answers) == stalled + 1 else 3.9  # noqa: E731
     probes = _run_blind(policy, 150, clock, stall)
     assert probes[:5] == {0: [0, 24, 25, 49, 50], 13: [0, 12, 13, 37, 38]}[stalled], probes
-    assert policy.probe_cost(1, 5.8) == pytest.approx(5.8) and policy.residual("draft", 1) == pytest.approx(0.0, abs=1e-9)
+    assert policy.timer.probe_cost(1, 5.8) == pytest.approx(5.8) and policy.residual("draft", 1) == pytest.approx(0.0, abs=1e-9)
 
 
 class _Judged(GoodputPolicy):
@@ -868,7 +868,7 @@ def test_rounds_slowed_by_something_else_are_outliers():
         policy.drafts(1)
         clock[0] += 100.0 if 3 <= k < 8 else 1.0
         if k < ROUND_SAMPLES - 1:
-            assert policy.residuals["plain"] == {}
+            assert policy.timer.residuals["plain"] == {}
     assert policy.residual("plain", 1) == pytest.approx(0.0) and not any(policy.answers)
     assert len(policy.timer.windows["plain"][1]) == ROUND_WINDOW
 

@@ -158,10 +158,10 @@ def _static_targets(target, made: dict | None = None) -> Callable[[str, tuple[in
 
 
 def _residuals(policy) -> dict[str, float] | None:
-    """An adaptive row's measured residuals (GoodputPolicy.residuals) at the most rows measured, per kind."""
+    """An adaptive row's measured residuals (its RoundTimer's) at the most rows measured, per kind."""
     if policy is None:
         return None
-    return {kind: table[max(table)] for kind, table in policy.residuals.items() if table}
+    return {kind: table[max(table)] for kind, table in policy.timer.residuals.items() if table}
 
 
 def _chosen(policy, before: Counter | None) -> dict[int, int] | None:

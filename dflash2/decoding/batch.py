@@ -1,25 +1,18 @@
 """Batched speculative decoding: N sequences at once, each accepting its own number of tokens.
 
     repeat while some row is alive or waiting:
-        if fewer than `concurrency` rows are in flight: prefill the next waiting prompts (left-padded)
-            → each newcomer's first token (its anchor); they join the batch (continuous batching)
-        (with a policy: unless it says a plain step pays more this round; then every draft is empty)
-        each alive row r drafts L_r tokens, or with verify="tree" a token tree of L_r nodes (one
-        drafter pass for all rows over their shared context when the drafter is a BatchDrafter;
-        otherwise each row from its own drafter cache)
-        one target pass over [R, W = 1 + max L_r]: row r's block sits at its own positions (a tree's
-        nodes at the anchor's position + depth, each seeing its ancestors)
-        verify each row on its own → row r keeps n_r + 1 of its W new cache slots (a tree: the
-        anchor and the accepted path's slots, which need not be adjacent)
+        admit waiting prompts while fewer than `concurrency` rows are in flight (continuous batching):
+            prefill them left-padded → each newcomer's first token (its anchor)
+        each alive row drafts L_r tokens (a path, or with verify="tree" a tree of L_r nodes); a policy
+            may cut each width, or skip drafting for a plain step
+        one target pass over [R, W = 1 + max L_r], each row's block at its own positions
+        verify each row on its own → row r keeps n_r + 1 of its W new cache slots
         rows that hit a stop token or their budget leave the batch (and the cache)
 
-The target cache is one [R, heads, S, head_dim] tensor per layer. Rows keep different numbers of
-tokens, so a slot may be live in one row and dead in another: `valid` [R, S] records which slots are
-live and `pos` [R, S] their positions; every pass gets a custom attention mask built from them
-(causal by position, sliding windows by position). Columns dead in every row are dropped once they
-are a quarter of the slots (compacting copies the whole cache, so it is not done every round). Per row
-this is exactly `spec_generate`: the same round (dflash2/decoding/round.py), the same drafter calls, the same
-verifier, the same commit rule (tests/test_batch.py).
+The target cache is one [R, heads, S, head_dim] tensor per layer; `valid` [R, S] marks the live slots
+and `pos` [R, S] their positions, from which every pass builds its attention mask. Columns dead in
+every row are dropped once they are a quarter of the slots. Per row this is exactly `spec_generate`:
+the same round (dflash2/decoding/round.py), drafter calls, verifier and commit rule (tests/test_batch.py).
 """
 
 from __future__ import annotations

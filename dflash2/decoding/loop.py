@@ -8,13 +8,10 @@
         commit the accepted tokens and the next token; crop the target cache to the committed
         length; the verified positions' features become the drafter's new context
 
-With verify="tree" the drafter proposes a token tree (the best nodes of its B×K lattice), the
-target scores every node in one pass with a tree attention mask, `verify_tree` walks down it, and
-the cache keeps the anchor and the accepted path's entries.
-
-With a `policy` (dflash2.policy) the round first asks whether to draft at all (if not: the draft is
-empty, a plain step, and the features wait for the next draft), then cuts the draft to the width
-the policy picks before the target pass.
+With verify="tree" the drafter proposes a token tree, the target scores every node in one pass under a
+tree mask, `verify_tree` walks down it, and the cache keeps the anchor and the accepted path. With a
+`policy` (dflash2.policy) the round first asks whether to draft at all, then cuts the draft to the
+width the policy picks, through `SealedDrafts`, before the target pass.
 """
 
 from __future__ import annotations

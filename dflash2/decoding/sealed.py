@@ -1,18 +1,16 @@
 """What a verification policy may see of a round's drafts: `SealedDrafts`.
 
-At T > 0 a drafted token d_t is a draw, and the verifier keeps the target's distribution only if the
-decision to verify d_t does not depend on d_t's value. A confidence c_t is computed before d_t is
-drawn, but c_{t+1} may read d_t (DSpark's head reads the token before each position). So a policy
-may decide on d_t (0-based position t) from c_0..c_t alone, and the only legal widths are stopping
-rules: extend from t to t + 1 tokens on what was known before d_t was drawn.
+At T > 0 a drafted token d_t is a draw, and verification keeps the target's distribution only if the
+decision to verify d_t does not depend on d_t's value. c_t is computed before d_t is drawn, but
+c_{t+1} may read d_t (DSpark's head reads the token before each position). So the only legal widths
+are stopping rules: extend from t to t + 1 tokens on c_0..c_t alone.
 
-`SealedDrafts` enforces that through its interface. It shows each row's length, and its confidences
-one position at a time: `confidence(t, rows)` answers only for rows already committed to verify at
-least t tokens (`commit(rows, n)`), and the widths a policy returns may not fall below what it
-committed. The drafted tokens themselves are not shown. Any policy that passes through it is a
-stopping rule, so any width it returns is lossless; a policy that asks for c_{t+1} before deciding on
-d_t gets a ValueError. Token trees have no confidences (their nodes are chosen, not drawn): a tree's
-widths may depend on anything.
+`SealedDrafts` enforces that through its interface: it shows each row's length, and `confidence(t,
+rows)` answers only for rows already committed to verify at least t tokens (`commit(rows, n)`); the
+widths a policy returns may not fall below what it committed, and the drafted tokens are not shown.
+Any policy that passes through it is therefore a stopping rule and lossless; asking for c_{t+1} before
+deciding on d_t raises ValueError. Token trees have no confidences (their nodes are chosen, not
+drawn): a tree's widths may depend on anything.
 """
 
 from __future__ import annotations

@@ -4,15 +4,12 @@ Qwen3-style pre-norm layers whose attention takes queries from the block only an
 `[fused target features; block]` (KV injection in every layer). The fused features are the chosen
 target layers' hidden states concatenated per position, projected by `fc` and RMS-normed by
 `hidden_norm`; each layer turns them into K/V with its own k/v projections, k-norm and RoPE at their
-absolute positions. Context entries are only K/V: no MLP, no residual. Each sublayer may be wrapped
-by the two-tap dynamic convolution (DFlash 2).
+absolute positions. Context entries are only K/V: no MLP, no residual. Each sublayer may be wrapped by
+the two-tap dynamic convolution (DFlash 2).
 
 Each layer has the attention layout of the published checkpoints (`config.layer_layout`): full or
-sliding, causal or bidirectional inside the block. A sliding layer's window is per query position
-(`layout_mask`): the query at absolute position p sees the key at k only if p - k < W, and k - p < W
-when the layer is not causal; context and block keys alike.
-
-The context K/V are computed once per context position and kept in a `ContextCache` across rounds.
+sliding, causal or bidirectional inside the block; a sliding window is per query position
+(`layout_mask`). The context K/V are computed once per position and kept in a `ContextCache`.
 """
 
 from __future__ import annotations

@@ -1,27 +1,18 @@
 """The published checkpoint formats: DFlash (`DFlashDraftModel`), DFlash 2 (`DFlash2DraftModel`),
 DSpark (`Qwen3DSparkModel`) and LiLiCorr (`LiLiCorrDraftModel`), as vLLM 0.32 loads them.
 
-A reference directory holds a Qwen3-style `config.json` (drafter sizes, `num_hidden_layers` = drafter
-layers, `num_target_layers`, a `dflash_config` section) and a `model.safetensors` whose tensor names
-are ours without the `backbone.` prefix; the codebooks are read with or without a `.weight` suffix
-and written without. The selector's tensors: DFlash 2's `candidate_selector.*` codebooks, DSpark's
-`markov_head.*` and `confidence_head.*`, LiLiCorr's `lilicorr.*`. Loading is strict: every tensor is
-used, none is missing, every shape must fit.
+A reference directory holds a Qwen3-style `config.json` (drafter sizes, `num_target_layers`, a
+`dflash_config` section) and a `model.safetensors` whose tensor names are ours without `backbone.`;
+the selector's tensors are DFlash 2's `candidate_selector.*`, DSpark's `markov_head.*` and
+`confidence_head.*`, LiLiCorr's `lilicorr.*`. Loading is strict: every tensor used, none missing,
+every shape fitting. DSpark files must say `sample_from_anchor: false` (the anchor-as-first layout is
+refused with that reason).
 
-DSpark's fields are top-level (`markov_rank`, `dspark_draft_topk`, `enable_confidence_head`,
-`confidence_head_with_markov`, `sample_from_anchor`), LiLiCorr's are in `dflash_config`
-(`lilicorr_*`, the conv's `conv_kernel_size` / `conv_group_size`, 0 for the DFlash-1 backbone).
-dflash2 drafts the DFlash `1 + N` block (the anchor, then N masks that predict their own positions):
-DSpark files must say `sample_from_anchor: false` (vLLM's default, true, is the anchor-as-first
-layout, which dflash2 does not train or draft yet, and is refused with that reason).
-
-The config is read as the published drafters read it (z-lab/dflash through transformers'
-`Qwen3Config`; the SGLang and vLLM ports agree): a `dflash_config` entry wins over a top-level one;
-`sliding_window` counts only with `use_sliding_window: true`; absent `layer_types` are derived from
-`max_window_layers`; `is_causal` unset leaves sliding layers causal and full layers bidirectional;
-RoPE comes from `rope_parameters` (or the older `rope_theta` + `rope_scaling`). Fields dflash2 does
-not model are kept in `DFlash2Config.extra` and written back, so an imported config is written back
-field for field (docs/checkpoints.md lists every field and what is added on export).
+The config is read as the published drafters read it (a `dflash_config` entry wins over a top-level
+one; `sliding_window` counts only with `use_sliding_window: true`; `layer_types` derive from
+`max_window_layers` when absent; RoPE from `rope_parameters` or `rope_theta` + `rope_scaling`).
+Fields dflash2 does not model are kept in `DFlash2Config.extra` and written back, so an imported
+config round-trips field for field (docs/checkpoints.md lists every field).
 """
 
 from __future__ import annotations

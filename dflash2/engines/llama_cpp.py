@@ -1,20 +1,17 @@
 """llama.cpp as a peer: its server on the same weights, and with DFlash the same drafter, converted by
 its own script.
 
-llama.cpp is a separate build (docs/engines.md): `llama_dir` is a directory holding `src/` (the source
-tree, with `convert_hf_to_gguf.py`) and `build/bin/` (its binaries), as the setup there lays it out.
-dflash2 never links it; it starts `llama-server` and talks to it over HTTP on localhost.
+`llama_dir` holds `src/` (the source tree, with `convert_hf_to_gguf.py`) and `build/bin/` (docs/engines.md);
+dflash2 never links it, it starts `llama-server` and talks to it over HTTP on localhost.
 
     target = convert_model(llama_dir, hf_dir, "target-bf16.gguf", "bf16")
     drafter = convert_drafter(llama_dir, reference_dir, hf_dir, "drafter.gguf")   # save_pretrained(format="reference")
     with LlamaServer(llama_dir, target, drafter=drafter, draft_max=15) as server:
         out = server.complete(prompt_ids, max_new_tokens=128)   # tokens, seconds, verify passes
 
-How llama.cpp counts (what `LlamaCompletion` reports, and how ours compares): `tokens` are the ids it
-generated after the prompt, the first one from its prefill; `drafts` counts its verification passes
-and `accepted` the drafted tokens they kept, so 1 + accepted / drafts is its mean acceptance length,
-the same quantity as our τ over rounds (our first token, too, comes from the prefill and belongs to no
-round). Its timings are its own (`predicted_ms`: from the first generated token to the last).
+`LlamaCompletion.tokens` are the ids generated after the prompt, the first from its prefill; `drafts`
+counts its verification passes and `accepted` the drafted tokens they kept, so 1 + accepted / drafts
+is the same quantity as our τ over rounds. Its timings are its own (`predicted_ms`).
 """
 
 from __future__ import annotations

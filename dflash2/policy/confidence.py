@@ -1,29 +1,16 @@
 """Confidence: how likely each drafted token is to survive verification, and what follows from it.
 
-The one signal (`Draft.confidence`, dflash2.interfaces "Confidence") is a per-token conditional:
-
-    c_t = P(token t accepted | tokens 1..t-1 accepted)            [L]
+    c_t = P(token t accepted | tokens 1..t-1 accepted)            [L]   (Draft.confidence)
     s_t = Π_{u<=t} c_u = P(the first t tokens all accepted)        survival [L]
     E[accepted draft tokens | the first n verified] = Σ_{t<=n} s_t
 
-Where it comes from:
-
-* a confidence head (DSpark's) fills `Draft.confidence` itself;
-* otherwise `lattice_confidence` reads it off the lattice the selector walked: the softmax over the K
-  successors of the pick's score, given the pick before it (for argmax drafters, whose lattice is the
-  unaries alone, that is the candidate head's top-1 probability). It reads token t's own probability,
-  so at T > 0 it is for analysis, not for sizing verification: a width decided on token t's own value
-  biases sampled output (dflash2.interfaces.VerifyPolicy).
-
-Neither is calibrated: a head learns against teacher-forced labels, the lattice's softmax is over K
-candidates, not over what the target would say. `Calibrator` maps raw values onto the acceptances
-actually observed, online (per draft position and confidence bin, shrunk to the raw value while a
-bin has seen little), and its `table()` is what the calibration plot shows (predicted against
-observed, per position). A token tree has no such signal per node: `NodeRates` counts how often each
-node index of a best-first tree is accepted (TreeGoodputPolicy). Both also keep `RoundCounts`: the
-accepted tokens of every round verified at full width, whose spread says how sure a policy can be of
-its expected tokens per round. Nothing here is read by the verifier: no value of c can change what is
-committed.
+A confidence head (DSpark's) fills `Draft.confidence`; otherwise `lattice_confidence` reads it off the
+lattice the selector walked (the pick's softmax over the K successors), which reads token t's own
+probability, so at T > 0 it is for analysis, never for sizing verification. Neither is calibrated:
+`Calibrator` maps raw values onto the acceptances observed online (per position and confidence bin,
+shrunk to the raw value while a bin is young), and `table()` is the calibration plot's data. A token
+tree has no per-node signal: `NodeRates` counts how often each node index of a best-first tree is
+accepted. `RoundCounts` keeps the accepted tokens of full-width rounds. The verifier reads none of it.
 """
 
 from __future__ import annotations

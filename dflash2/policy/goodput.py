@@ -1,37 +1,18 @@
 """Verification policies: how many of each row's drafted tokens the target checks this round.
 
-A drafter proposes up to L tokens per row; verifying n of them costs a target pass over n + 1 tokens
-and commits, in expectation, 1 + Σ_{t<=n} s_t tokens (s: the survival curve of the row's confidences,
-`dflash2.policy.confidence`). When acceptance is low or a wider pass is dear (many rows, a compute-bound
-target), verifying fewer tokens, or none, commits more tokens per second. A policy picks the widths;
-the loops truncate each draft to its width before verifying it, so losslessness never depends on the
-policy (a verified prefix of a draft is itself a draft: tests/test_policy.py runs adversarial widths
-through the greedy and exact-distribution checks).
+Verifying n of a row's L drafted tokens costs a target pass over n + 1 tokens and commits, in
+expectation, 1 + Σ_{t<=n} s_t tokens (s: the survival curve, `dflash2.policy.confidence`). The loops
+truncate each draft to its width before verifying it, so losslessness never depends on the policy.
 
     FixedWidth     verify everything drafted (what the loops do without a policy)
-    GoodputPolicy  maximise expected committed tokens per second of the round:
+    GoodputPolicy  max over widths n_r of  Σ_r (1 + Σ_{t<=n_r} s_r,t) / (draft_s + verify_s(Σ_r (n_r + 1)))
+                   (the globally largest s_r,t fill any total best: sort the slots once, scan the totals)
+    TreeGoodputPolicy  the first n nodes of each row's best-first tree, n chosen from each node index's
+                   observed acceptance rate
 
-        max over widths n_r of   Σ_r (1 + Σ_{t<=n_r} s_r,t)  /  (draft_s + verify_s(Σ_r (n_r + 1)))
-
-    Each row's s_r,t falls with t, so for any total the best slots are the globally largest s_r,t
-    (taken in order within each row): the policy sorts the slots once and scans the totals, as vLLM
-    0.32's adaptive verification admits its best (request, position) slots under a token budget.
-    Widths of zero are allowed (a plain decoding step for that row). Width zero still pays for the
-    draft; so before a round the policy also says whether to draft at all (`drafts`): not when a plain
-    step is expected to commit more tokens per second than the best drafting round, judged from the
-    measured drafting seconds and each position's observed acceptance rate (probing now and then).
-
-Token trees (verify="tree"): `TreeGoodputPolicy` verifies the first n nodes of each row's best-first
-tree (its n most probable nodes, a tree itself), n chosen the same way from each node index's observed
-acceptance rate. A node's verdict depends only on the nodes before it (its ancestors and earlier
-siblings), so a round that verified n nodes tells what nodes 0..n-1 would have done in any larger tree.
-
-Confidences come from `Draft.confidence` where the drafter fills it (a confidence head), calibrated
-online (`Calibrator`) from the acceptances the loop reports; a draft without them is read at a
-constant raw value, so that the calibrator learns each position's observed acceptance rate.
-`CostModel` holds the verify cost as seconds against the tokens in a pass (piecewise linear between
-measured points, extended by the last segment's slope); `profile_verify(target)` measures it on the
-machine it runs on, in a second or two, for a batch-1 target.
+`drafts` says whether to draft at all. Confidences come from `Draft.confidence`, calibrated online;
+drafts without them are read at a constant raw value, so the calibrator learns each position's rate.
+`CostModel` holds verify seconds against tokens per pass (piecewise linear between measured points).
 """
 
 from __future__ import annotations
@@ -95,19 +76,13 @@ class FixedWidth:
 
 class GoodputPolicy:
     """Widths that maximise expected committed tokens per second of the round (module docstring), and before
-    each round whether drafting pays at all (`drafts`): a drafting round costs its drafting (the lower median
-    of the last DRAFT_WINDOW measured at this number of rows; `draft_s` seeds it) plus the pass over the
-    widths and the loop's own time (`loop_s`), and commits 1 + Σ_t s̄_t per row; a plain step costs
-    verify_s(rows) and commits one. Every round is also timed (`timer`, dflash2.policy.timing) and what the
-    model missed is added back. A skipped stretch is broken by a probe (one drafting round verified in full,
-    two after skipped rounds) once its cost above plain steps is at most `explore` × the seconds skipped;
-    each probe that confirms skipping halves that share, down to `explore_min`. Skipped rounds that would
-    skip as surely are answered without judging or timing them, up to `quiet_rounds` in a row.
-
-    padded=True for `spec_generate_batch`, whose pass is [rows, 1 + the widest draft]: one cap for every
-    row (best_cap), priced as rows × (cap + 1) tokens. clock=None: the model alone, nothing timed (what the
-    tests of its arithmetic use). docs/architecture.md ("The adaptive policy") gives the reasons for each
-    rule."""
+    each round whether drafting pays at all (`drafts`): a drafting round costs its drafting (a low median of
+    the last rounds at these rows), the pass over the widths and the loop's own time, and commits
+    1 + Σ_t s̄_t per row; a plain step costs verify_s(rows) and commits one. Every round is timed (`timer`)
+    and what the model missed is added back. Skipped stretches are broken by probes whose extra cost is at
+    most `explore` × the seconds skipped (halved by each probe that confirms skipping, down to
+    `explore_min`). padded=True prices `spec_generate_batch`'s [rows, 1 + widest] pass with one cap for
+    every row; clock=None times nothing. docs/architecture.md ("The adaptive policy") gives each rule's reason."""
 
     capped = False  # True: one width for every row (best_cap) even in an unpadded pass (TreeGoodputPolicy)
     quiet_rounds = QUIET_ROUNDS  # the longest quiet stretch (0: every call judges and times its round)
@@ -133,8 +108,7 @@ class GoodputPolicy:
         self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
         self.timer = RoundTimer(clock)  # every round timed: what the model misses (dflash2.policy.timing)
-        # quiet stretches (drafts()): the rounds the last skip showed to skip as surely, the rounds left of the
-        # stretch answered without judging or timing them, its number of rows and a plain step's seconds
+        # quiet stretches (drafts()): rounds shown to skip as surely, rounds left unjudged, their rows, plain seconds
         self._skips_ahead = self._quiet = self._quiet_rows = 0
         self._quiet_plain_s = 0.0
 
@@ -185,11 +159,6 @@ class GoodputPolicy:
         """What a round of `kind` ("plain" or "draft") at `rows` rows took beyond the model, as measured."""
         return self.timer.residual(kind, rows)
 
-    @property
-    def residuals(self) -> dict[str, dict[int, float]]:
-        """kind → rows → the measured residual (RoundTimer)."""
-        return self.timer.residuals
-
     def plain_cost(self, rows: int) -> float:
         """A plain step's seconds at `rows` rows: the pass, the loop's own time and the measured residual."""
         return self._plain_model(rows) + self.residual("plain", rows)
@@ -201,10 +170,6 @@ class GoodputPolicy:
         if changed:
             self._pays.clear()
         return sampled
-
-    def probe_cost(self, rows: int, modelled: float) -> float:
-        """The seconds a probe at `rows` rows costs above the plain steps it replaces (RoundTimer.probe_cost)."""
-        return self.timer.probe_cost(rows, modelled)
 
     def draft_cost(self, rows: int) -> float | None:
         """The expected drafting seconds of a round with `rows` rows: as measured at that number, else
@@ -254,11 +219,11 @@ class GoodputPolicy:
         self._skipped_s += plain_s
         share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
         rounds = 2 if self._stale else 1
-        if self.probe_cost(rows, probe_extra * rounds) > share * self._skipped_s:
+        if self.timer.probe_cost(rows, probe_extra * rounds) > share * self._skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
             # how many of the next rounds skip as surely, nothing changing before them (the same sums, in the same order)
-            limit, skipped = self.probe_cost(rows, probe_extra * 2), self._skipped_s
+            limit, skipped = self.timer.probe_cost(rows, probe_extra * 2), self._skipped_s
             while self._skips_ahead < self.quiet_rounds and limit > share * (skipped := skipped + plain_s):
                 self._skips_ahead += 1
             self._quiet_plain_s = plain_s

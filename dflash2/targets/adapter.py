@@ -1,31 +1,18 @@
-"""The one place that talks to a Hugging Face causal LM (the target).
-
-Everything version-specific about transformers' cache API lives here: the name of the cache keyword
-(`cache` in newer 5.x, `past_key_values` before), how to crop, which cache class to build. The rest
-of the package sees a few operations with explicit state:
+"""The one place that talks to a Hugging Face causal LM (the target); every version-specific detail of
+transformers' cache API (the cache keyword, cropping, the cache class) lives here.
 
     cache = adapter.new_cache()
-    step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V] ([1, n, V] with keep_logits=n), features [1, T, F] or None
+    step  = adapter.forward(ids [1, T], cache)   # logits [1, T, V] ([1, n, V] with keep_logits=n), features [1, T, F]
     adapter.rollback(cache, step, keep)          # keep only the first `keep` of the step's T tokens
-    step  = adapter.forward_tree(anchor, tree, cache)  # [anchor, M tree nodes] in one pass
-    adapter.keep(cache, step, rows)              # keep the step's tokens at `rows` (a path), drop the rest
+    step  = adapter.forward_tree(anchor, tree, cache);  adapter.keep(cache, step, rows)
     step  = adapter.forward_masked(ids [R, W], q_pos, k_pos, allowed, cache)   # batches: custom mask
-    adapter.select_rows(cache, rows); adapter.keep_slots(cache, slots)       # drop rows / dead slots
-    adapter.append_rows(cache, other)            # newcomers join a running batch
+    adapter.select_rows(cache, rows); adapter.keep_slots(cache, slots); adapter.append_rows(cache, other)
 
-plus `embed` and `lm_logits`, the frozen embedding matrix and LM head the drafter borrows.
-
-Attention-only targets: the cache is a plain `DynamicCache` built without the model config, so every
-layer keeps its full history (sliding-window layers included; their window is applied by the
-model's mask, from absolute positions) and rolling back is an exact crop.
-
-Hybrid targets (Gated DeltaNet `linear_attention` layers: Qwen3.5, Qwen3.5-MoE, Qwen3-Next): their
-conv and recurrent states are updated in place and cannot be cropped (HF's crop leaves rejected
-tokens in the recurrent state). `forward` therefore snapshots every layer's state first: attention
-K/V by reference (a DynamicLayer only ever concatenates, never writes in place), everything else by
-copy; `rollback` after a partial acceptance restores the snapshot and replays the kept tokens.
-The cost is one state copy per round and one extra forward of the kept tokens per partially
-accepted round (docs/hybrid-targets.md).
+plus `embed` and `lm_logits`, the frozen embedding and LM head the drafter borrows. Attention-only
+targets keep every layer's full history in a `DynamicCache`, so rolling back is an exact crop.
+Hybrid targets (Gated DeltaNet layers: Qwen3.5, Qwen3-Next) update conv and recurrent states in
+place: `forward` snapshots them first and `rollback` after a partial acceptance restores the snapshot
+and replays the kept tokens (docs/hybrid-targets.md).
 """
 
 from __future__ import annotations

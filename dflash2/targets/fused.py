@@ -1,44 +1,18 @@
-"""The target's decoder step written out, gpt-fast style, for Llama-family targets.
+"""The target's decoder step written out, gpt-fast style, for Llama-family targets (StaticTarget's default).
 
-StaticTarget's default step. It reads the model's weights once and runs the same arithmetic as the
-model's own layers with fewer, larger operations:
-
-    x = embed[ids]                                                   [R, T, H]
     for each layer:
-        q, k, v = split(rms_norm(x) @ Wqkv)                          one matrix for q, k and v
-        q, k    = rope(rms_norm_per_head(q), rms_norm_per_head(k))   (the per-head norms: Qwen3)
+        q, k, v = split(rms_norm(x) @ Wqkv);  q, k = rope(q, k)      (+ per-head q/k norms: Qwen3)
         K[start:end], V[start:end] = k, v                            the preallocated cache
         x      += attention(q, K[:end], V[:end], mask) @ Wo
-        gate, up = split(rms_norm(x) @ Wgu)                          one matrix for gate and up
-        x      += (silu(gate) * up) @ Wd
+        gate, up = split(rms_norm(x) @ Wgu);  x += (silu(gate) * up) @ Wd
     → rms_norm(x)
 
-so a layer runs four matrix products instead of seven, and RoPE is a lookup in tables computed
-by the model's own rotary module once per pass. On CPU, float32 and bfloat16 weights are prepacked for
-oneDNN's matrix multiply (the layout inductor's weight freezing uses), which reads the weights of
-a one-token or a 16-token pass faster than the unpacked `F.linear`
-(docs/architecture.md, "Performance choices"); other devices and dtypes use `F.linear`. In a graph
-compiled with StaticTarget's gemm="inductor" (its default on CPU) each product is `F.linear` over the
-weights as parameters, which inductor freezes into the graph and multiplies with kernels of its own.
-
-`linear_dtype` (StaticTarget's option) runs the matrix products, the LM head's included, in another
-dtype than the model's, as autocast would: weights stored in it, each product's input cast to it and
-its output cast back. With bfloat16 products on a float32 model the residual stream, the norms, RoPE,
-attention and the K/V cache stay float32; this is vLLM's CPU bfloat16 arithmetic for the matrix
-products only (its attention and cache are bfloat16). It changes the target's arithmetic: decoding is
-lossless with respect to that arithmetic (plain decoding through the same StaticTarget), not to the
-model's float32 forward. Published checkpoints store bfloat16 weights, so the weights themselves lose
-nothing; the inputs and outputs of each product are rounded.
-
-What the model's layers do and this step must do too: Qwen3's per-head q/k norms, Qwen2's q/k/v
-biases, Llama's optional attention and MLP biases, the attention module's own `scaling`, sliding
-windows (by the masks the caller builds). A model whose layers are not written out here (a RoPE
-that depends on the sequence length, another activation or norm, partial rotary, per-layer
-epsilons) is refused with NotImplementedError and the reason; StaticTarget then runs the model's
-own layers and keeps the reason in `fused_reason`.
-
-The weights are copied at construction (concatenated, packed): a model whose weights change
-afterwards needs a new StaticTarget.
+Four matrix products a layer instead of seven; on CPU the weights are prepacked for oneDNN, and under
+gemm="inductor" they stay parameters that inductor freezes. `linear_dtype` runs the products (the LM
+head's too) in another dtype, as autocast would; the residual stream, norms, RoPE, attention and cache
+keep the model's dtype, and decoding is lossless with respect to that arithmetic. A layer not written
+out here is refused with NotImplementedError and the reason (StaticTarget then runs the model's own
+layers). The weights are copied at construction: a model whose weights change needs a new one.
 """
 
 from __future__ import annotations

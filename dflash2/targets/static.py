@@ -1,37 +1,18 @@
-"""A faster target step for batch-1 decoding: the model's own layers over a preallocated KV cache.
+"""A faster target step for decoding: the model's own weights over a preallocated KV cache.
 
-`TargetAdapter.forward` calls the Hugging Face model's `forward`, which per pass builds a cache
-update chain, a causal mask through transformers' mask factory, output dataclasses and the
-hidden-state collection; on a small target that bookkeeping, not the model's arithmetic, is most of
-a decoding step. `StaticTarget` keeps the same interface (it is a TargetAdapter) and runs the
-same decoder layers, the same embedding, rotary embedding, final norm and LM head modules of the
-model, but calls them directly:
+`TargetAdapter.forward` calls the HF model's `forward`, whose per-pass bookkeeping (cache update chain,
+mask factory, output dataclasses) is most of a small target's step. `StaticTarget` is a TargetAdapter
+that skips it: the embedding, rotary embedding, decoder layers (written out by `dflash2.targets.fused`,
+or the model's own modules with `fused=False`), final norm and LM head called directly, over key/value
+buffers allocated once (slot = position, so a rollback only moves the length back) and a mask built
+from positions. `compile=True` puts the step through `torch.compile` with dynamic shapes, each kind of
+pass (prefill, one token, verify) with graphs of its own; the eager path is the same function.
 
-    x = embed_tokens(ids); cos, sin = rotary_emb(x, positions)
-    for layer in layers:  x = layer(x, attention_mask, position_embeddings=(cos, sin), cache=<buffers>)
-    logits = lm_head(norm(x))
-
-with a cache whose keys and values live in buffers allocated once per sequence (slot = position,
-so a rollback only moves the length back), and a mask built from positions. By default the layers
-are not called as modules but written out (`dflash2.targets.fused`: q/k/v and gate/up as one matrix
-each, weights prepacked for oneDNN on CPU), the same arithmetic in fewer operations; `fused=False`
-calls the model's layer modules as above. The step can be put through `torch.compile`
-(`compile=True`: shapes warmed up dynamic, so the growing cache compiles once per kind of pass, each
-kind with graphs of its own), as gpt-fast compiles its decoder; the eager path is the same function.
-
-Supported: decoder-only Llama-family layouts whose model forward is exactly the loop above
-(`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding-window layers are masked by position).
-Anything else raises NotImplementedError: use TargetAdapter, which runs every HF causal LM.
-
-Batches (`spec_generate_batch`, `ar_generate_batch`) run through the same step: `forward_masked`
-takes [R, W] ids at per-row positions with the loop's per-row key mask, over a cache preallocated as
-[rows, kv_heads, slots, hd] per layer. Appending a pass writes into the buffers; keeping a row's
-accepted slots moves a few columns down in place; a finished row's buffer row goes to the next
-prompt (`select_rows` compacts the rows, `append_rows` copies a prefilled newcomer in); the buffers
-grow (doubling) only when the rows or slots outrun them. With `compile`, a batch's prefills, its
-one-token passes (plain steps, rounds not drafted) and its wider passes (verification) run compiled,
-each kind through graphs of its own (dynamic rows, widths and slots; docs/architecture.md,
-"Performance choices").
+Supported: decoder-only Llama-family layouts (`SUPPORTED`: Qwen3, Qwen2, Llama, Mistral; sliding
+windows masked by position); anything else raises NotImplementedError: use TargetAdapter. Batches run
+through the same step (`forward_masked`, [R, W] ids at per-row positions over a [rows, kv_heads,
+slots, hd] cache per layer): accepted slots move down in place, a finished row's buffer row goes to
+the next prompt, and the buffers double only when rows or slots outrun them.
 """
 
 from __future__ import annotations

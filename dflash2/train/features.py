@@ -1,18 +1,16 @@
-"""The target's features, computed once per dataset and read by every run that trains on it (offline mode).
+"""The target's features, computed once per dataset and read by every run that trains on it.
 
-A drafter reads the target's hidden states at a few layers (`target_layer_ids`). The target is frozen,
-so those features are a function of the dataset alone: computing them once, rather than in every
-training step, removes the target from training (on a CPU it costs more than the drafter's step) and
+The target is frozen, so its hidden states at the drafter's layers are a function of the dataset:
+caching them removes the target from training (on a CPU it costs more than the drafter's step) and
 lets every variant of an ablation share one cache.
 
     <directory>/recipe.json    target, layer ids, hidden size, products, storage dtype, the data's recipe
     <directory>/shard_00000.pt {"features": [sum of the shard's lengths, len(layer_ids) * H], "offsets": [n + 1]}
     <directory>/complete.json  once every data shard has its file
 
-One file per data shard, written atomically: a build killed at any point resumes at the first missing
-file. The features are a prefill of each sequence alone through a `StaticTarget` whose products run in
-`linear_dtype` (None: the model's own arithmetic), stored in `dtype`. A run reads any subset of the
-cached layers (`FeatureCache.select`).
+One file per data shard, written atomically: a killed build resumes at the first missing file. Each
+sequence is prefilled alone through a `StaticTarget` with products in `linear_dtype`, stored in
+`dtype`. A run reads any subset of the cached layers (`FeatureCache.select`).
 """
 
 from __future__ import annotations

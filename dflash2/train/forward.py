@@ -3,16 +3,14 @@
 All blocks of a sequence go through the backbone in one masked forward pass:
 
     anchors a_1..a_A (random, low <= a <= T - B)        block j = [ids[a_j], MASK × (B-1)] at a_j..a_j+B-1
-    context = fused features of every position 0..T-1   block j sees context positions p < a_j only
-                                                        (strictly before its anchor: the anchor has no
-                                                        target hidden state at inference), itself
-                                                        (bidirectionally, or causally in a causal
-                                                        layer), and no other block; a sliding layer's
-                                                        window applies per query, as at inference
+    context = fused features of every position 0..T-1   block j sees context positions p < a_j only (the
+                                                        anchor has no target state at inference), itself
+                                                        (bidirectionally, or causally in a causal layer)
+                                                        and no other block; sliding windows per query
     labels: block position k (1..B-1) predicts ids[a_j + k] (same position, no shift)
 
-`tests/test_training.py` checks that this gives the same block logits as the inference-time drafter
-for the same context: the place where public recipes have had off-by-one bugs.
+`tests/test_training.py` checks that this gives the inference-time drafter's block logits for the same
+context: the place where public recipes have had off-by-one bugs.
 """
 
 from __future__ import annotations

@@ -97,18 +97,27 @@ def regenerate(cfg: TrainConfig, target, directory: Path, backend=None, log=_std
         bar.close()
 
 
-def prepare_data(cfg: TrainConfig, log=_stderr) -> Path:
-    """Regenerate (or resume) the run's dataset and nothing else: no drafter, no optimiser. Returns its directory."""
+def load_target(cfg: TrainConfig, dtype: str | None = None):
+    """The run's target model in `dtype` (default: target_dtype, else dtype), eval mode, frozen.
+    "smollm2" and .gguf files load from their dequantized directory; anything else must be a directory or
+    a hub id, else one FileNotFoundError naming it."""
     from transformers import AutoModelForCausalLM
 
+    target = resolve_target(cfg.target)
+    if not Path(target).is_dir() and not looks_like_hub_id(target):
+        raise FileNotFoundError(f"no such target directory: {cfg.target}")
+    dtype = dtype or cfg.target_dtype or cfg.dtype
+    model = from_pretrained(AutoModelForCausalLM.from_pretrained, target, dtype=getattr(torch, dtype))
+    return model.eval().requires_grad_(False)
+
+
+def prepare_data(cfg: TrainConfig, log=_stderr) -> Path:
+    """Regenerate (or resume) the run's dataset and nothing else: no drafter, no optimiser. Returns its directory."""
     with stop_signals({"defer": 0}):
-        target = resolve_target(cfg.target)
-        if not Path(target).is_dir() and not looks_like_hub_id(target):
-            raise FileNotFoundError(f"no such target directory: {cfg.target}")
-        model = from_pretrained(AutoModelForCausalLM.from_pretrained, target, dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
+        model = load_target(cfg)
         directory = cfg.data.resolved_cache(Path(cfg.out))
         if not (directory / "complete.json").is_file():
-            regenerate(cfg, model.eval(), directory, log=log)
+            regenerate(cfg, model, directory, log=log)
         if cfg.data.features is not None:
             torch.manual_seed(cfg.seed)
             layer_ids = DFlash2Drafter.from_target(model, **cfg.drafter).target_layer_ids

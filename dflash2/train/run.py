@@ -1,22 +1,16 @@
 """`python -m dflash2.train --config configs/<file>.yaml [dotted.key=value ...]`: train a drafter.
 
-The recipe (docs/training.md): the target (frozen, with its embedding and LM head) regenerates the
-responses (`dflash2.train.data`: fixed-length prompts, or chat conversations from a dataset; an `hf`
-or a `vllm` backend; a sharded Arrow dataset on disk); each step samples random anchors per sequence
-(only where the next token is a label: a regenerated token) and trains all blocks of a sequence in
-one masked forward pass (`dflash2.train.forward`); position-decay weights, optional soft targets, the
-teacher-forced selector loss, all computed in chunks of rows, so that no [anchors, block, vocabulary]
-tensor is ever whole.
+The recipe (docs/training.md): the frozen target regenerates the responses (`dflash2.train.data`);
+each step samples random anchors per sequence where the next token is a label and trains all blocks
+of a sequence in one masked pass (`dflash2.train.forward`), reading the target's features from the
+cache (`dflash2.train.features`) or computing them online; losses in chunks of rows, so that no
+[anchors, block, vocabulary] tensor is ever whole.
 
 Resumable: every `ckpt_every` steps the drafter, optimizer and step are written atomically to
-`<out>/ckpt.pt` with the resolved config beside it. Batches and anchors are functions of
-(seed, step, rank), so a run killed at any moment and restarted ends bit-identical to one that was
-never interrupted; the data regeneration resumes at its first missing shard. SIGINT or SIGTERM
-during training writes a checkpoint of the last finished step and exits 130 / 143 with one line.
-Under `torchrun --nproc-per-node N` it trains with DistributedDataParallel (`parallel: ddp`) or
-FSDP (`parallel: fsdp`: parameters, gradients and optimizer state sharded; gloo on CPU, nccl on
-CUDA); every rank sees its own shard of each batch. `--export DIR` writes the last checkpoint as a
-drafter directory (evaluate a long run while it trains).
+`<out>/ckpt.pt`. Batches and anchors are functions of (seed, step, rank), so a killed run restarted
+ends bit-identical to one never interrupted. SIGINT or SIGTERM writes a checkpoint of the last
+finished step and exits 130 / 143 with one line. Under `torchrun` it trains with DDP or FSDP
+(`parallel`). `--export DIR` writes the last checkpoint as a drafter directory.
 """
 
 from __future__ import annotations
@@ -34,15 +28,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.decoding.checks import from_pretrained, looks_like_hub_id
 from dflash2.drafter.model import DFlash2Drafter
 from dflash2.targets.adapter import TargetAdapter
-from dflash2.targets.gguf import resolve_target
 from dflash2.train.checkpoint import load_checkpoint, save_checkpoint
 from dflash2.train.config import TrainConfig, data_recipe
 from dflash2.train.forward import (Losses, accepted_lengths, drafter_losses, expected_tau_from_accuracy, label_weights,
                                    masked_block_forward, position_weights, sample_masked_anchors)
-from dflash2.train.prepare import cache_features, regenerate
+from dflash2.train.prepare import cache_features, load_target, regenerate
 from dflash2.train.signals import Interrupted, _rank, _stderr, _world, stop_signals
 
 
@@ -109,8 +101,6 @@ class Run:
     """Everything one training process holds: the models, the optimizer, the data, and its place."""
 
     def __init__(self, cfg: TrainConfig, log=_stderr) -> None:
-        from transformers import AutoModelForCausalLM
-
         self.cfg, self.log = cfg, log
         self.world, self.rank = _world(), _rank()
         self.distributed = self.world > 1
@@ -124,13 +114,7 @@ class Run:
             raise ValueError(f"the {cfg.batch_size // self.world} sequences per process and step do not split "
                              f"into grad_accum={cfg.grad_accum} micro-batches")
         self.out = Path(cfg.out)
-        target = resolve_target(cfg.target)  # "smollm2" and .gguf files: their dequantized directory
-        if not Path(target).is_dir() and not looks_like_hub_id(target):
-            raise FileNotFoundError(f"no such target directory: {cfg.target}")
-        self.target = from_pretrained(AutoModelForCausalLM.from_pretrained, target,
-                                      dtype=getattr(torch, cfg.target_dtype or cfg.dtype))
-        self.target = self.target.to(self.device).eval()
-        self.target.requires_grad_(False)
+        self.target = load_target(cfg).to(self.device)
         torch.manual_seed(cfg.seed)  # identical initial drafter on every rank
         drafter = DFlash2Drafter.from_target(self.target, **cfg.drafter, draft_vocab_size=cfg.draft_vocab)
         drafter = drafter.to(getattr(torch, cfg.dtype)).train()  # (the draft vocabulary's ids: load_data)
@@ -435,9 +419,7 @@ def export_checkpoint(cfg: TrainConfig, directory: str | Path) -> int:
     state = load_checkpoint(Path(cfg.out) / "ckpt.pt")
     if state is None:
         raise FileNotFoundError(f"{Path(cfg.out) / 'ckpt.pt'} does not exist: the run has no checkpoint yet")
-    from transformers import AutoModelForCausalLM
-
-    target = from_pretrained(AutoModelForCausalLM.from_pretrained, resolve_target(cfg.target), dtype=getattr(torch, cfg.dtype))
+    target = load_target(cfg, dtype=cfg.dtype)
     drafter = DFlash2Drafter.from_target(target, **cfg.drafter, draft_vocab_size=cfg.draft_vocab)
     drafter.load_state_dict(state["drafter"])
     directory = Path(directory)

@@ -1,25 +1,18 @@
 """Path selectors over the B×K candidate lattice (DFlash 2; docs/architecture.md, "Scores of the path selector").
 
-Edge score from predecessor token a to candidate b at draft position t:
+Edge score from predecessor token a to candidate b at draft position t, starting from the anchor:
 
-    S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P(h_t), C[b]⟩
-
-with codebooks A (predecessor) and C (successor) in R^{V×r} and P: H → r applied to the backbone's
-hidden state at t. The path starts from the anchor. Variants, chosen by `config.selector`:
+    S_t(a, b) = U_t(b) + ⟨A[a] ⊙ P(h_t), C[b]⟩      codebooks A, C in R^{V×r}; P: H → r
 
 * `argmax`:  top-1 per position, no parameters (DFlash-1 behaviour);
 * `walk`:    the published greedy walk: best successor of the current token (T=0), or a draw from
              softmax(S/T) over the K candidates (T>0), returning that q for verification;
-* `viterbi`: the exact most probable path (O(L·K²)); deterministic at any temperature. The selector
-             is trained as a chain of K-way softmaxes over successors (teacher-forced), so a path's
-             probability is Π_t softmax(S_t(a_{t-1}, ·))[a_t]: Viterbi maximises the sum of those
-             log-softmaxes. (The sum of raw scores S would ignore each step's normaliser, which
-             depends on the predecessor: docs/architecture.md, "Scores of the path selector".)
+* `viterbi`: the exact most probable path, Π_t softmax(S_t(a_{t-1}, ·))[a_t], in O(L·K²). It maximises
+             the sum of per-step log-softmaxes, not of raw S, whose normaliser depends on a.
 
-P is zero at init, so every selector starts as argmax and learns to deviate. Every selector is a
-`dflash2.interfaces.Selector`: a path per sequence, a batched deterministic path, and the lattice's
-scores (which token trees are grown from). All three are registered (`dflash2.registry`) under their
-names, beside any selector a researcher registers; `complete_selector` checks one when it is built.
+P is zero at init, so every selector starts as argmax and learns to deviate. Each is a
+`dflash2.interfaces.Selector` (a path per sequence, a batched path, the lattice's scores for trees),
+registered by name in `dflash2.registry`.
 """
 
 from __future__ import annotations

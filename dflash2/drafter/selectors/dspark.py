@@ -1,26 +1,18 @@
 """DSpark's sequential Markov head and confidence head, as a path selector (`selector: dspark`).
 
-DSpark (vLLM 0.32's `qwen3_dspark.py` and its speculator) drafts the block with the DFlash backbone in
-one pass and then puts intra-block dependency back with a low-rank Markov head, sampled left to right:
+DSpark (vLLM 0.32's `qwen3_dspark.py`) drafts the block with the DFlash backbone in one pass, then puts
+intra-block dependency back with a low-rank Markov head, left to right from the anchor:
 
-    bias(a) = W2 · W1[a]          W1 [V, r] embeds the previous token a, W2 [V, r] maps it to a logit bias
-    S_t(a, b) = U_t(b) + bias(a)[b]   over the top-K candidates b of position t (vLLM's dspark_draft_topk;
-                                      K = V is its full-vocabulary draft)
+    S_t(a, b) = U_t(b) + (W2 · W1[a])[b]       W1, W2 [V, r]; b among the top-K candidates of position t
 
-with a = the anchor at the first position and the token drafted before it afterwards. At T = 0 the
-draft is the argmax at each step; at T > 0 a draw from softmax(S_t / T) over the K candidates, which is
-the q the verifier checks. That is the walk of `dflash2.drafter.selectors.codebook` over a lattice whose pairwise term
-does not look at the hidden state: the DFlash-2 codebook selector's ⟨A[a] ⊙ P(h_t), C[b]⟩ with P = 1.
-
-The confidence head (config.confidence_head) estimates, for each drafted token, the probability that
-the verifier accepts it given that the tokens before it were accepted:
+At T = 0 the argmax at each step, at T > 0 a draw from softmax(S_t / T), the q the verifier checks:
+the walk of `dflash2.drafter.selectors.codebook` with a pairwise term that ignores the hidden state.
+The confidence head estimates P(token t accepted | tokens before it accepted) for `Draft.confidence`:
 
     c_t = sigmoid(w · [h_t ; W1[a_t]] + b)       (W1[a_t] only with config.confidence_with_markov)
 
-and fills `Draft.confidence` (dflash2.interfaces, "Confidence"). Training: the Markov head by the
-selector loss (teacher-forced K-way cross-entropy over the candidates, as the codebook selectors),
-the confidence head by a binary cross-entropy against whether the teacher-forced greedy pick is the
-label (docs/training.md, "Selector, transition and confidence terms").
+Training (docs/training.md): the Markov head by the selector loss, the confidence head by binary
+cross-entropy against whether the teacher-forced greedy pick is the label.
 """
 
 from __future__ import annotations

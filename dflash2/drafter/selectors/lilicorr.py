@@ -4,21 +4,14 @@
 Each of the L × K candidates becomes one token of a lattice sequence:
 
     x[t, k] = E(c[t, k]) P_tok + h_t P_pass + MLP(LayerNorm(f[t, k])) + slot_t + rank_k
-        E: the target's input embedding; h_t: the backbone's hidden state at position t
-        f = (log p, p, log p − log p_top1, k / (K − 1), [k = 0])   five candidate features
-    x ← x + Attn(RMSNorm(x), bias) ;  x ← x + MLP(RMSNorm(x))       num_layers times, over all L·K tokens
-        bias(q, k) = rel[slot(q) − slot(k) + B − 1] + same · [slot(q) = slot(k)]   learned, per head
+        f = (log p, p, log p − log p_top1, k / (K − 1), [k = 0])      five candidate features
+    x ← x + Attn(RMSNorm(x), bias) ;  x ← x + MLP(RMSNorm(x))          num_layers times, over all L·K tokens
 
-and the anchor's state a = RMSNorm(P_ctx · s) (s: the fused target feature before the anchor). Each
-candidate gets an outgoing and an incoming unit vector from SiLU(W_x x + W_a a + W_× (x ⊙ a) + b):
-
-    first[j]      = λ ⟨out(a), in[0, j]⟩                 anchor → candidate j at position 0
-    steps[t, i, j] = λ ⟨out[t, i], in[t + 1, j]⟩          candidate i at t → candidate j at t + 1
-
-These scores replace the unaries: the walk of `dflash2.drafter.selectors.codebook` (greedy, or sampled with the q it
-drew from) and the token trees run over them unchanged. K must be a power of two <= 16 (as vLLM
-requires). Training: teacher-forced cross-entropy along the gold path of the lattice (docs/training.md,
-"Selector, transition and confidence terms"). LiLiCorr sits on either backbone (conv none or two_tap).
+With the anchor's state a = RMSNorm(P_ctx · s), each candidate gets outgoing and incoming unit vectors
+from SiLU(W_x x + W_a a + W_× (x ⊙ a) + b), and transitions score λ⟨out, in⟩ (anchor → position 0,
+t → t + 1). These replace the unaries: the walk of `dflash2.drafter.selectors.codebook` and the token
+trees run over them unchanged. K must be a power of two <= 16 (as vLLM requires). It sits on either
+backbone (conv none or two_tap) and trains by cross-entropy along the lattice's gold path.
 """
 
 from __future__ import annotations
