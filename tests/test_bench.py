@@ -347,12 +347,15 @@ def test_llama_rows_take_turns_with_ours_and_count_as_llama_does(tmp_path, monke
     log = tmp_path / "launches.txt"
     monkeypatch.setenv("STAND_IN_LOG", str(log))
     out = tmp_path / "bench"
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path / "cache"))
     assert main([f"out={out}", f"llama_cpp={llama}", "target=embedded", "drafters={dflash1: embedded:dflash1}",
                  "methods=[ar,llama_ar,llama_dflash1]", "llama_weights=[bf16]", "repetitions=2", "num_prompts=2",
                  "max_new_tokens=9", "block_sizes=[16]", "datasets=[stdlib_heldout]", "settings=[greedy]"]) == 0
     launches = log.read_text().splitlines()
     assert [x.split()[0] for x in launches] == ["plain", "draft"] * 2 and launches[1].endswith("drafter_B16_bf16.gguf")
-    assert "as bf16" in (out / "gguf" / "target-bf16.gguf").read_text()
+    converted = list((tmp_path / "cache" / "gguf").rglob("*.gguf"))  # in the cache, never in the results
+    assert [p.name for p in converted] == ["target-bf16.gguf"] and "as bf16" in converted[0].read_text()
+    assert not (out / "gguf").exists()
     rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())["rows"]}
     plain, spec = rows["llama_ar_bf16"], rows["llama_dflash1_bf16"]
     assert plain["runs"] == spec["runs"] == rows["ar"]["runs"] == 2 * 2 and plain["error"] is None

@@ -13,6 +13,7 @@ dflash2.engines.llama_cpp says how it counts).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,15 +59,16 @@ def llama_methods(cfg: BenchConfig, drafters: dict) -> list[Method]:
 
 
 def model_gguf(cfg: BenchConfig, weights: str) -> Path:
-    """The target as a GGUF of `weights` (converted once, into <out>/gguf), or its own file ("gguf")."""
+    """The target as a GGUF of `weights` (converted once, into the dflash2 cache's gguf/: each is the size of
+    the model, so never into a results directory), or its own file ("gguf")."""
     from dflash2.engines.llama_cpp import convert_model
-    from dflash2.targets.gguf import SMOLLM2, is_gguf, smollm2_gguf
+    from dflash2.targets.gguf import SMOLLM2, cache_dir, is_gguf, smollm2_gguf
 
     if weights == "gguf":
         return smollm2_gguf() if cfg.target == SMOLLM2 else Path(cfg.target)
     source = Path(resolve(cfg.target))
     stem = Path(cfg.target).stem if is_gguf(cfg.target) or cfg.target == SMOLLM2 else source.name
-    where = Path(cfg.out) / "gguf"
+    where = cache_dir() / "gguf" / hashlib.sha256(str(source.resolve()).encode()).hexdigest()[:12]
     where.mkdir(parents=True, exist_ok=True)
     return convert_model(cfg.llama_cpp, source, where / f"{stem}-{weights}.gguf", weights)
 
