@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Every benchmark and experiment behind docs/results.md, then the report (about 12 minutes on 2 idle CPU
-# cores). Run from the repository root after experiments/embedded/train_drafters.sh.
+# Every benchmark and experiment behind docs/results.md's embedded-pair tables (about 12 minutes on 2 idle
+# CPU cores); each writes its own record under docs/results/. Run from the repository root after experiments/embedded/train_drafters.sh.
 set -euo pipefail
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 for cfg in headline tree concurrency block_sweep main; do
@@ -8,10 +8,8 @@ for cfg in headline tree concurrency block_sweep main; do
   python -m dflash2.bench --config "configs/bench/$cfg.yaml"
 done
 log "ablation grid"
-python experiments/ablation_grid.py
+python experiments/ablation/grid.py
 log "profile of a round"
-python experiments/profile_round.py
-python experiments/cprofile_loop.py
-log "report"
-python experiments/embedded/report.py
+python experiments/performance/profile_round.py
+python experiments/performance/cprofile_loop.py
 log "done"

@@ -43,8 +43,8 @@ def main() -> int:
     lines = [
         "# Test statistics",
         "",
-        f"Written by `python experiments/test_statistics.py` (Hypothesis profile `{profile}`) on "
-        f"{datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}.",
+        f"Written by `python experiments/test_statistics.py` (Hypothesis profile `{profile}`).",
+        f"Provenance: {datetime.date.today()}, {platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}.",
         f"pytest: `{summary[-1].strip('= ') if summary else 'no summary line'}`",
         "",
         "## Hypothesis examples per property",

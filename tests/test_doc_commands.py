@@ -141,3 +141,18 @@ def test_the_check_catches_a_command_that_would_fail(command, message, vllm_pyth
     monkeypatch.chdir(ROOT)
     code, err = check(command, vllm_python)
     assert code != 0 and message in err
+
+
+def test_every_experiment_is_listed():
+    """Every script under experiments/ is named in experiments/README.md or in its own folder's README
+    (a helper another script imports counts as part of it, if that script names it)."""
+    experiments = ROOT / "experiments"
+    unlisted = []
+    for script in sorted([*experiments.rglob("*.py"), *experiments.rglob("*.sh")]):
+        relative = script.relative_to(experiments)
+        readmes = [experiments / "README.md", script.parent / "README.md"]
+        text = " ".join(r.read_text() for r in readmes if r.is_file())
+        siblings = " ".join(s.read_text() for s in script.parent.glob("*.py") if s != script)
+        if str(relative) not in text and script.name not in text and script.stem not in siblings:
+            unlisted.append(str(relative))
+    assert unlisted == []

@@ -1,6 +1,6 @@
-"""The README's runnable Python blocks run as written: the first prints what the README says it prints, and
-the "More ways" block after it (the tree, a bfloat16 drafter, the compiled round and StaticTarget, a draft
-vocabulary, batches) gives the target's greedy output every way."""
+"""The README's runnable Python block runs as written and prints what the README says it prints, and the
+"More ways" block of docs/usage.md after it (the tree, a bfloat16 drafter, the compiled round and
+StaticTarget, a draft vocabulary, batches) gives the target's greedy output every way."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def python_blocks() -> list[str]:
+    """The README's "Use it" blocks, then docs/usage.md's."""
     text = (ROOT / "README.md").read_text()
-    use_it = text[text.index("## Use it"):text.index("## Results")]
-    return re.findall(r"```python\n(.*?)```", use_it, flags=re.S)
+    use_it = text[text.index("## Use it"):text.index("## Plug in a selector")]
+    usage = (ROOT / "docs" / "usage.md").read_text()
+    return re.findall(r"```python\n(.*?)```", use_it + usage, flags=re.S)
 
 
 def test_the_runnable_python_blocks_run_as_written():
@@ -44,9 +46,9 @@ def test_the_loops_default_tree_is_the_one_the_readme_and_the_cli_use():
 
 
 def test_what_is_where_names_every_module():
-    """The README's "What is where" names every module of the flat core and every subpackage."""
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## What is where"):text.index("## Compatibility")]
+    """docs/architecture.md's "What is where" names every module of the flat core and every subpackage."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## What is where"):text.index("## Performance choices")]
     package = ROOT / "dflash2"
     names = [p.name for p in package.glob("*.py") if p.name != "__init__.py"]
     names += [p.name + "/" for p in package.iterdir() if (p / "__init__.py").is_file()]

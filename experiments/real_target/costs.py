@@ -26,7 +26,7 @@ from dflash2 import DFlash2Drafter, StaticTarget, TargetAdapter, TorchRandom  # 
 from dflash2.targets.gguf import resolve_target  # noqa: E402
 from dflash2.train.forward import drafter_losses, masked_block_forward, sample_masked_anchors  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "experiments"))
+sys.path.insert(0, str(ROOT / "experiments" / "performance"))
 from roofline import timed  # noqa: E402  (the median of repeated calls, as the embedded roofline times)
 
 CONTEXT = 300  # cached positions before a measured pass: a typical answer's middle

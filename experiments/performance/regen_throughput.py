@@ -1,6 +1,6 @@
 """Throughput of the two regeneration backends of `python -m dflash2.train` on the embedded target.
 
-    python experiments/regen_throughput.py --out docs/results/regen_throughput [--vllm-python ~/vllm-venv/bin/python]
+    python experiments/performance/regen_throughput.py --out docs/results/regen_throughput [--vllm-python ~/vllm-venv/bin/python]
         [--new-tokens 128] [--repetitions 2]
 
 The prompts: every conversation of experiments/embedded/chat_sample.jsonl, first turn, through the
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 

@@ -1,6 +1,6 @@
 """Ablation grid on the embedded pair: conv × selector × top-K, τ on HumanEval prompts (greedy).
 
-    python experiments/ablation_grid.py [--prompts 40] [--block-size 16]
+    python experiments/ablation/grid.py [--prompts 40] [--block-size 16]
 
 conv comes from the two trained drafters (DFlash-1 weights: conv "none"; DFlash-2 weights: "two_tap");
 selector and top-K are switched at inference on the same weights (argmax, walk, viterbi; K = 4, 8, 16).
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402

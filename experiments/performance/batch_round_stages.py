@@ -2,7 +2,7 @@
 pair at 8 rows in flight (HumanEval, greedy, 128 new tokens, continuous batching), a fixed-size tree
 per row, every stage timed inside whole decodes.
 
-    python experiments/batch_round_stages.py [--rows 8] [--nodes 7] [--repeats 3] [--compiled]
+    python experiments/performance/batch_round_stages.py [--rows 8] [--nodes 7] [--repeats 3] [--compiled]
 
 Plain decoding (`ar_generate_batch`) and tree decoding (`spec_generate_batch(verify="tree")`) alternate,
 `--repeats` times each, through one StaticTarget step (bfloat16 products by default, as the regimes
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import dflash2.decoding.batch as batch  # noqa: E402
@@ -143,7 +143,7 @@ def main() -> int:
                    plain_step_ms=plain_round, tree_round_ms=tree_round, tau=tau, tokens_per_round=per_round,
                    tie_round_ms=1e3 * per_round / plain_tps, round_ms_for_1_3x=1e3 * per_round / plain_tps / 1.3,
                    stages_ms=stages)
-    meta = dict(command="python experiments/batch_round_stages.py " + " ".join(sys.argv[1:]),
+    meta = dict(command="python experiments/performance/batch_round_stages.py " + " ".join(sys.argv[1:]),
                 date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 machine=platform.platform(), cpu=cpu_description(), threads=args.threads, rows=args.rows,
                 nodes=args.nodes, source=source, linear_dtype=args.linear_dtype, drafter_dtype=args.drafter_dtype,

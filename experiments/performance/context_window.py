@@ -1,6 +1,6 @@
 """τ against context length, with and without the drafter's context window (the embedded pair).
 
-    python experiments/context_window.py [--window 128] [--lengths 64,256,512,1024]
+    python experiments/performance/context_window.py [--window 128] [--lengths 64,256,512,1024]
 
 Prompts are the last N tokens of held-out standard-library files (dflash2/embedded/corpus.py), followed by a
 cut at a line start so the continuation is code. For each N the embedded DFlash-2 drafter decodes
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import ar_generate, load_embedded, spec_generate  # noqa: E402

@@ -1,7 +1,7 @@
 """Where a round's time goes, stage by stage, on the embedded pair; and before/after ratios of the
 optimisations of the batched drafter, measured interleaved in one process.
 
-    python experiments/profile_round.py [--threads 2] [--repeats 200] [--drafter-dtype bfloat16]
+    python experiments/performance/profile_round.py [--threads 2] [--repeats 200] [--drafter-dtype bfloat16]
 
 Single row (HumanEval prompt 0, B = 16): target forward of 1 token (an AR step) and of a 16-token
 block, and the drafter's stages (context projection, backbone, LM head, top-K, selector).
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from dflash2 import TargetAdapter, TorchRandom, load_embedded  # noqa: E402

@@ -2,7 +2,7 @@
 on the embedded pair (HumanEval prompts, greedy, B = 16, 128 new tokens), summarised as shares of
 the profiled wall time.
 
-    python experiments/cprofile_loop.py [--prompts 6] [--threads 1] [--top 0]
+    python experiments/performance/cprofile_loop.py [--prompts 6] [--threads 1] [--top 0]
 
 Shares: `torch._C._nn.linear` (matrix products: compute), scaled-dot-product attention, the target's
 forward (`TargetAdapter.forward`, cumulative), the drafter's `propose` (cumulative), and the
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "docs" / "results" / "cprofile_loop.json"
 sys.path.insert(0, str(ROOT))
 
@@ -67,7 +67,7 @@ def main() -> None:
                       if func == name and file.endswith(suffix))
         shares[label] = seconds / total
     print("| share of wall time | % |\n|---|---|", *[f"| {k} | {100 * v:.0f} |" for k, v in shares.items()], sep="\n")
-    meta = dict(command="python experiments/cprofile_loop.py " + " ".join(sys.argv[1:]),
+    meta = dict(command="python experiments/performance/cprofile_loop.py " + " ".join(sys.argv[1:]),
                 date=datetime.date.today().isoformat(), machine=platform.platform(), threads=args.threads,
                 source=source, rounds=rounds, profiled_s=total)
     OUT.write_text(json.dumps(dict(meta=meta, shares=shares), indent=2) + "\n")

@@ -1,6 +1,6 @@
 """Where a decoding step's time goes against the machine's limits, for the embedded target.
 
-    python experiments/roofline.py [--out docs/results/roofline.json]
+    python experiments/performance/roofline.py [--out docs/results/roofline.json]
 
 Measures on this machine (run it quiet: nothing else running):
   * memory read bandwidth: a sum over 256 MB of float32 (torch, this process's threads);
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
             adapter.crop(cache, args.context)
         passes.append(dict(path="model forward, batch", rows=rows, tokens=tokens, seconds=timed(batch_pass),
                            floor=floor(rows * tokens)))
-    result = dict(meta=dict(command="python experiments/roofline.py", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = dict(meta=dict(command="python experiments/performance/roofline.py", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                             machine=platform.platform(), cpu=cpu_description(), context=args.context,
                             load=monitor.record()),
                   bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes / 1e6, macs_per_token=params,

@@ -1,6 +1,6 @@
 """What exact rollback costs on a hybrid target, per round, against the verify forward itself.
 
-    python experiments/hybrid_rollback_cost.py [--rounds 30] [--block 16]
+    python experiments/performance/hybrid_rollback_cost.py [--rounds 30] [--block 16]
 
 A random Qwen3.5-style target (hidden 256, 8 layers, 3 of 4 linear attention; float32, CPU) decodes
 with an oracle drafter whose every 3rd token is wrong, so most rounds are partial. Each round times
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dflash2 import TargetAdapter  # noqa: E402
 from dflash2.targets.adapter import _snapshot  # noqa: E402
 

@@ -1,6 +1,6 @@
 """Peak resident memory of `python -m dflash2.train` against vocabulary size and sequence length.
 
-    python experiments/train_memory.py --out docs/results/train_memory [--code DIR] [--vocab 4096 151936]
+    python experiments/performance/train_memory.py --out docs/results/train_memory [--code DIR] [--vocab 4096 151936]
         [--lengths 512 1024 2048 4096] [--limit-gb 22]
 
 Each run is its own process under GNU time (`/usr/bin/time -v`); its "maximum resident set size" is
@@ -27,7 +27,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_target(directory: Path, vocab: int) -> Path:

@@ -2,7 +2,7 @@
 alternating (their order swapped every repetition): what a change of the loop, the target's step or
 the drafter did to speed, with nothing else moving.
 
-    python experiments/commit_ab.py BEFORE AFTER [--cases plain1,tree1,plain8,tree8,plain32] [--repetitions 3]
+    python experiments/performance/commit_ab.py BEFORE AFTER [--cases plain1,tree1,plain8,tree8,plain32] [--repetitions 3]
 
 BEFORE and AFTER are anything `git worktree add` takes (commits, branches; AFTER may be `.` for the
 working tree as it is). Each is checked out once into a temporary worktree; a worker process imports
@@ -36,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def worker(repo: Path, case: str, prompts: int, single: int) -> dict:
@@ -159,7 +159,7 @@ def main() -> int:
               f"→ {summary[case]['ratio_of_medians']:.3f}× (outputs {'identical' if same else 'differ'})")
     print(f"load: {load}")
     if args.out:
-        meta = dict(command="python experiments/commit_ab.py " + " ".join(sys.argv[1:]),
+        meta = dict(command="python experiments/performance/commit_ab.py " + " ".join(sys.argv[1:]),
                     date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                     machine=platform.platform(), before=trees["before_commit"], after=trees["after_commit"],
                     load=load)
