@@ -12,7 +12,7 @@
 The target cache is one [R, heads, S, head_dim] tensor per layer; `valid` [R, S] marks the live slots
 and `pos` [R, S] their positions, from which every pass builds its attention mask. Columns dead in
 every row are dropped once they are a quarter of the slots. Per row this is exactly `spec_generate`:
-the same round (dflash2/decoding/round.py), drafter calls, verifier and commit rule (tests/test_batch.py).
+the same round (dflash2/decoding/round.py), drafter calls, verifier and commit rule (tests/decoding/test_batch.py).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ the anchor and takes **one decision per node, shared by all paths through it**:
   At a leaf (or when all children are rejected) the emitted token is the bonus / correction.
 
 Each emitted token has exactly the distribution p̃ at its node, so the output distribution is the
-target's (enumerated exactly in tests/test_tree.py). Sampling each path independently and keeping
+target's (enumerated exactly in tests/decoding/test_tree.py). Sampling each path independently and keeping
 the longest acceptance is lossy; so is forgetting the residual after a rejected child (mutants there).
 """
 

@@ -42,7 +42,7 @@ RECURRENT_MODEL_TYPES = frozenset({"mamba", "mamba2", "rwkv", "falcon_mamba", "j
                                    "bamba", "falcon_h1", "granitemoehybrid", "lfm2", "nemotron_h", "xlstm"})
 # The first transformers release whose hybrid models (Qwen3.5) run with our snapshot/replay rollback:
 # 5.3.0 fails inside the model (its cache lacks `has_previous_state`), 5.5.4 and 5.6.2 give wrong greedy
-# tokens without an error, 5.7.0 .. 5.24.0 pass tests/test_hybrid_targets.py (docs/compatibility.md).
+# tokens without an error, 5.7.0 .. 5.24.0 pass tests/targets/test_hybrid_targets.py (docs/compatibility.md).
 HYBRID_MIN_TRANSFORMERS = (5, 7)
 
 

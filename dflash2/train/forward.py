@@ -9,7 +9,7 @@ All blocks of a sequence go through the backbone in one masked forward pass:
                                                         and no other block; sliding windows per query
     labels: block position k (1..B-1) predicts ids[a_j + k] (same position, no shift)
 
-`tests/test_training.py` checks that this gives the inference-time drafter's block logits for the same
+`tests/train/test_forward.py` checks that this gives the inference-time drafter's block logits for the same
 context: the place where public recipes have had off-by-one bugs.
 """
 

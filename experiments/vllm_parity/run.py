@@ -21,7 +21,7 @@ inputs drawn here. Compared in float32:
               its speculator's sequential argmax over its corrected scores) equal to ours
 * confidence: DSpark's `compute_confidence` against our Draft.confidence: max |Δ|
 
-Writes OUT/parity.json and OUT/parity.md. tests/test_vllm_parity.py runs the same with
+Writes OUT/parity.json and OUT/parity.md. tests/engines/test_vllm_parity.py runs the same with
 DFLASH2_VLLM_PYTHON set (skipped in CI, which has no vLLM).
 """
 

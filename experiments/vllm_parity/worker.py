@@ -10,7 +10,7 @@ vLLM's registry names them from the file's `architectures`), loads the file with
 (`CandidateSelector` / `_score_edges`), DSpark's Markov head and confidence head in the order its
 speculator calls them (`_sample_sequential_topk` at T = 0), LiLiCorr's lattice scores (`LiLiCorrHead`).
 The draft's attention layers are not run (their CPU backend needs the engine's forward context);
-tests/test_vllm_layouts.py checks how vLLM resolves their layout.
+tests/engines/test_vllm_layouts.py checks how vLLM resolves their layout.
 """
 
 from __future__ import annotations

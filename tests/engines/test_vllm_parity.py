@@ -14,7 +14,7 @@ import pytest
 VLLM = os.environ.get("DFLASH2_VLLM_PYTHON")
 pytestmark = pytest.mark.skipif(not VLLM, reason="set DFLASH2_VLLM_PYTHON to the python of a venv with vLLM 0.32")
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "experiments" / "vllm_parity"))
 
 

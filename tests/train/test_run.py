@@ -19,7 +19,7 @@ from dflash2.train.checkpoint import load_checkpoint
 from dflash2.train.config import TrainConfig, load_config
 from dflash2.train.run import train
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

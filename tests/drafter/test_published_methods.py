@@ -8,7 +8,7 @@ transcribed from vLLM's files): float64 hidden states to 1e-10, every greedy dra
 confidences, and LiLiCorr's whole score lattice (the greedy walk is blind to a scale; the sampled q is
 not; its scores and DSpark's confidences are float32 outputs in vLLM, compared to 1e-6 / 1e-5).
 Each published field has a mutant (a reader or a head that ignores it) that must fail. The same
-checks against vLLM's own classes run in tests/test_vllm_parity.py when a vLLM venv is named.
+checks against vLLM's own classes run in tests/engines/test_vllm_parity.py when a vLLM venv is named.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
 from dflash2.drafter.reference_format import config_from_reference, reference_from_config
 from tests import published_reference as ref
 from tests.helpers import MASK, VOCAB, hf_greedy, random_reference_tensors, random_selector_tensors, tiny_target
-from tests.test_published_semantics import (B, GROUP, H, HD, HEADS, INTER, KV, LAYER_IDS, LAYOUTS, RANK, ROUNDS, TAPS,
+from tests.drafter.test_published_semantics import (B, GROUP, H, HD, HEADS, INTER, KV, LAYER_IDS, LAYOUTS, RANK, ROUNDS, TAPS,
                                             TOP_K, features)
 
 DSPARK = {"architectures": ["Qwen3DSparkModel"], "markov_rank": RANK, "dspark_draft_topk": TOP_K,

@@ -17,7 +17,7 @@ import pytest
 from dflash2.train.checkpoint import load_checkpoint
 from tests.helpers import MASK, tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

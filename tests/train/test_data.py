@@ -22,7 +22,7 @@ from dflash2.train.run import train
 from dflash2.train.data import (Conversation, HFBackend, Sampling, SequenceData, StaticBackend, load_conversations, parse_row,
                                 render)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EOS, MASK_ID, PAD = 0, 1, 2  # the embedded tokenizer's special tokens
 
 CONVERSATIONS = [

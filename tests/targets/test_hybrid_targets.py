@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from dflash2 import DFlash2Drafter, TargetAdapter, spec_generate
 from tests.helpers import (HYBRID_ARCHITECTURES, MASK, VOCAB, hf_greedy, needs_hybrid_transformers, oracle_drafter,
                            tiny_target)
-from tests.test_cache_invariants import CheckingAdapter
-from tests.test_greedy_equality import check_round_invariants
+from tests.decoding.test_cache_invariants import CheckingAdapter
+from tests.decoding.test_greedy_equality import check_round_invariants
 
 pytestmark = needs_hybrid_transformers
 HISTOGRAMS: dict[str, Counter] = {}

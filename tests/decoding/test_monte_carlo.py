@@ -12,7 +12,7 @@ import dflash2.decoding.verify as verify_mod
 from dflash2 import DFlash2Drafter, SamplingParams, spec_generate
 from dflash2.decoding.sampling import process_logits
 from tests.helpers import exact_ar_distribution, tiny_target
-from tests.test_exact_distribution import typical_acceptance
+from tests.decoding.test_exact_distribution import typical_acceptance
 
 # 5 new tokens with blocks of 4: the first round verifies a full 3-token draft (the budget cuts drafts).
 V, PROMPT, N_NEW, SAMPLES = 4, [1, 2, 3], 5, 3000

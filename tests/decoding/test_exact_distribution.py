@@ -40,7 +40,7 @@ def dflash(selector: str, top_k: int = 2, conv: str = "two_tap") -> DFlash2Draft
 
 def spec_distribution(drafter, params: SamplingParams, stops=(), lengths: set | None = None, tgt=None, policy=None):
     """Exact output distribution and branch count; `lengths` collects every round's acceptance length.
-    tgt: the target as spec_generate gets it (default: the HF model; tests/test_static_target.py
+    tgt: the target as spec_generate gets it (default: the HF model; tests/targets/test_static.py
     passes a StaticTarget). policy: a factory of the verification policy each branch runs with."""
     def program(rng):
         out = spec_generate(drafter, tgt or target(), torch.tensor([PROMPT]), max_new_tokens=N_NEW,

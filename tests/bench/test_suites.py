@@ -20,7 +20,7 @@ from dflash2.bench.run import Prompter, converse
 from dflash2.bench.server import ServerSpec, parse_spec_metrics
 from dflash2.bench.prompts import INSTRUCT, REASON, SUITES, load_prompt_set
 
-FAKE = Path(__file__).with_name("fake_server.py")
+FAKE = Path(__file__).resolve().parents[1] / "fake_server.py"
 SUITE_TURNS = {
     "gsm8k": [["Natalia sold clips to 48 friends in April and half as many in May. How many in all?" + REASON]],
     "math500": [["Convert the point $(0,3)$ to polar coordinates." + REASON]],

@@ -171,7 +171,7 @@ def test_auto_drafter_dtype_follows_the_machine(monkeypatch):
 
 def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
     """target_steps=[hf, static, static_bf16mm] adds _static and _static_bf16mm rows (eager here: the
-    compiled step is tested in tests/test_static_target.py); greedy, the _static rows commit the same
+    compiled step is tested in tests/targets/test_static.py); greedy, the _static rows commit the same
     tokens as the hf rows, so τ and counts agree, and every drafting row's outputs equal our plain
     decoding's through its own step (same_outputs_as_plain, the bench's losslessness check)."""
     import dflash2.targets.static as static_target

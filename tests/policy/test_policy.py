@@ -25,11 +25,11 @@ from dflash2.decoding.sealed import SealedDrafts
 from dflash2.decoding.tree import TokenTree, verify_tree
 from dflash2.decoding.verify import Draft
 from tests.helpers import MASK, hf_greedy, max_abs_diff, tiny_drafter, tiny_target
-from tests.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
-from tests.test_tree_loop import DRAFTERS as TREE_DRAFTERS
-from tests.test_tree_loop import PARAMS as TREE_PARAMS
-from tests.test_tree_loop import ar_distribution as tree_ar_distribution
-from tests.test_tree_loop import random_tree, tree_distribution
+from tests.decoding.test_exact_distribution import DRAFTERS, EXACT, PARAMS, ar_distribution, spec_distribution
+from tests.decoding.test_tree_decoding import DRAFTERS as TREE_DRAFTERS
+from tests.decoding.test_tree_decoding import PARAMS as TREE_PARAMS
+from tests.decoding.test_tree_decoding import ar_distribution as tree_ar_distribution
+from tests.decoding.test_tree_decoding import random_tree, tree_distribution
 
 DETECT = 1e-4
 

@@ -11,10 +11,10 @@ from dflash2.train.prepare import prepare_data
 from dflash2.train.run import Run
 from dflash2.train.data import SequenceData
 from dflash2.train.features import FeatureCache, build_features
-from tests import test_train
-from tests.test_train import overrides
+from tests.train import test_run
+from tests.train.test_run import overrides
 
-target_dir = test_train.target_dir  # the fixture
+target_dir = test_run.target_dir  # the fixture
 
 
 def config(target_dir, tmp_path, **extra):

@@ -147,7 +147,7 @@ def test_the_markov_confidence_case_is_exact():
 @pytest.mark.slow
 def test_the_issue_case_is_exact():
     """As reported: vocabulary 5, three candidates, prompt [1, 3, 0, 2], X = 3, blocks of 4. A long enumeration
-    (about 50 minutes on 2 cores): `python -m pytest -m slow tests/test_policy_exact.py -k issue_case -s -n 0`
+    (about 50 minutes on 2 cores): `python -m pytest -m slow tests/policy/test_policy_exact.py -k issue_case -s -n 0`
     prints the branches, the conditional and the widths chosen."""
     Goodput.seen = set()
     d = drafter("dspark", markov=True, vocab=5, top_k=3, x=3)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from dflash2 import DFlash2Drafter, spec_generate
 from tests.helpers import MASK, MORE_ARCHITECTURES, VOCAB, hf_greedy, oracle_drafter, tiny_target
-from tests.test_greedy_equality import check_round_invariants
+from tests.decoding.test_greedy_equality import check_round_invariants
 
 
 @pytest.mark.parametrize("arch", MORE_ARCHITECTURES)

@@ -1,5 +1,5 @@
 """Parity with vLLM's own reading of the published attention fields: every layout of
-tests/test_published_semantics.py is resolved by vLLM 0.32's `_resolve_layer_attention` (its
+tests/drafter/test_published_semantics.py is resolved by vLLM 0.32's `_resolve_layer_attention` (its
 `qwen3_dflash.py`, run in the vLLM venv that DFLASH2_VLLM_PYTHON names) and must give each layer the
 (window, causal) dflash2 reads. Skipped without that venv (CI never has one)."""
 
@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from dflash2.drafter.reference_format import config_from_reference
-from tests.test_published_semantics import LAYOUTS, reference_config
+from tests.drafter.test_published_semantics import LAYOUTS, reference_config
 
 VLLM = os.environ.get("DFLASH2_VLLM_PYTHON")
 

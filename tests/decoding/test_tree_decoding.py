@@ -267,7 +267,7 @@ PARAMS = {"T1": SamplingParams(1.0), "T0.7_topk2": SamplingParams(0.7, top_k=2),
 
 
 def tree_distribution(drafter, params: SamplingParams, lengths: set | None = None, n_new: int = N_NEW, policy=None):
-    """policy: a factory of the verification policy each branch runs with (tests/test_policy.py)."""
+    """policy: a factory of the verification policy each branch runs with (tests/policy/test_policy.py)."""
     def program(rng):
         out = spec_generate(drafter, small_target(), torch.tensor([PROMPT]), max_new_tokens=n_new,
                             temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, rng=rng,

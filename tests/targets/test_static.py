@@ -2,7 +2,7 @@
 same steps as the model's forward, so decoding through it stays lossless: greedy equality with
 `generate` in float64 and the exact sampled distribution, eager and compiled; at batch 1 and in
 batches (the batched loop's passes, row moves and slot moves; the batched exact distribution is in
-tests/test_batch.py)."""
+tests/decoding/test_batch.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from dflash2 import DFlash2Drafter, TargetAdapter, ar_generate, ar_generate_batch, spec_generate, spec_generate_batch
 from dflash2.decoding.batch import left_pad
 from dflash2.targets.static import StaticTarget
-from tests import test_exact_distribution as exact
+from tests.decoding import test_exact_distribution as exact
 from dflash2.decoding.sampling import process_logits
 from tests.helpers import (HAS_CXX_COMPILER, MASK, DraftEvery, exact_ar_distribution, hf_greedy, max_abs_diff, tiny_target,
                            with_linears_in)
