@@ -290,8 +290,22 @@ class Run:
         state = self.state(step)  # every rank takes part in gathering a sharded state
         if self.rank == 0:
             save_checkpoint(self.out / "ckpt.pt", state, config=self.cfg.to_dict())
+            self.log_record(record)
+
+    def log_record(self, record: dict[str, Any]) -> None:
+        """Append one step's record to <out>/log.jsonl (rank 0)."""
+        if self.rank == 0:
             with (self.out / "log.jsonl").open("a") as f:
                 f.write(json.dumps(record) + "\n")
+
+    def trim_log(self, step: int) -> None:
+        """Drop the log's records past `step`: a resumed run logs them again from its checkpoint."""
+        path = self.out / "log.jsonl"
+        if self.rank == 0 and path.is_file():
+            lines = path.read_text().splitlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+            if len(kept) < len(lines):
+                path.write_text("".join(line + "\n" for line in kept))
 
 
 def _init_state(init: str, drafter: DFlash2Drafter) -> dict[str, torch.Tensor]:
@@ -338,6 +352,7 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
         state = load_checkpoint(run.out / "ckpt.pt")
         if state is not None:
             step = run.restore(state)
+            run.trim_log(step)
             if run.rank == 0:
                 log(f"resuming from step {step} of {cfg.steps} ({run.out / 'ckpt.pt'})")
         end = cfg.steps if stop_after is None else min(cfg.steps, step + stop_after)
@@ -367,6 +382,8 @@ def train(cfg: TrainConfig, stop_after: int | None = None, log=_stderr) -> Path:
             signals["stopping"] = int(stop is not None)
             if done % cfg.ckpt_every == 0 or done == end or stop is not None:
                 run.save(done, record)
+            elif "heldout_tau" in record:  # an evaluation between checkpoints is logged too
+                run.log_record(record)
             if stop is not None:  # saved just above
                 bar.close()
                 if run.distributed:  # no rank leaves while rank 0 writes (a launcher stops the rest when one exits)

@@ -105,6 +105,20 @@ def test_resuming_with_another_config_is_refused(target_dir, tmp_path):
     assert load_checkpoint(tmp_path / "run" / "ckpt.pt")["step"] == 4
 
 
+def test_the_log_holds_every_evaluation_once_across_a_resume(target_dir, tmp_path):
+    """An evaluation between checkpoints is logged; a resume drops the records past its checkpoint, so the
+    log of an interrupted run lists each step once, as an uninterrupted run's does."""
+    out = tmp_path / "run"
+    args = overrides(target_dir, out, steps=6, ckpt_every=3, eval_every=2, eval_sequences=2)
+    train(load_config(None, args), stop_after=4)  # checkpoint at 3; records at 2 (eval), 3 (ckpt), 4 (eval)
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps == [2, 3, 4] and load_checkpoint(out / "ckpt.pt")["step"] == 4  # the stop saved step 4
+    (out / "log.jsonl").write_text((out / "log.jsonl").read_text() + json.dumps({"step": 5}) + "\n")  # past it
+    train(load_config(None, args))
+    log = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [2, 3, 4, 6] and all("heldout_tau" in r for r in log if r["step"] % 2 == 0)
+
+
 def test_ddp_two_processes_keep_identical_replicas(target_dir, tmp_path):
     out = tmp_path / "ddp"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
