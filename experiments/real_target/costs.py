@@ -1,7 +1,7 @@
 """What a pass costs on the real pair (SmolLM2-135M-Instruct), against this machine's bounds: the target's
 verify-cost curve, a drafting round by drafter depth and draft vocabulary, and a training step by the same.
 
-    python experiments/real_target/costs.py [--part verify draft train] [--out docs/results/real_target/costs.json]
+    python experiments/real_target/costs.py [--part verify verify8 draft train] [--out docs/results/real_target/costs.json]
 
 Run it quiet (../shared/tools/quiet first; nothing else running). Every number is a median over repeats,
 the variants of a part interleaved. Bounds: weight bytes / the measured read bandwidth, and FLOPs / the
@@ -84,6 +84,17 @@ def verify_curve(model, repeats: int, compile: bool = False) -> dict:
 
 
 @torch.no_grad()
+def verify_curve_rows(model, rows: int, repeats: int, compile: bool = False) -> dict:
+    """ms of one padded target pass over [rows, 1 + n] after CONTEXT cached positions per row (bfloat16
+    products), by tokens a row: what a batched round's verification costs (policy.cost.profile_verify_batch)."""
+    from dflash2.policy.cost import profile_verify_batch
+
+    target = StaticTarget(model, linear_dtype="bfloat16", compile=compile)
+    cost = profile_verify_batch(target, rows, sizes=(0, 1, 3, 7, 15, 31, 63), context=CONTEXT, repeats=repeats)
+    return {"rows": rows, "ms": {tokens // rows: 1e3 * s for tokens, s in cost.points}}
+
+
+@torch.no_grad()
 def draft_costs(model, repeats: int, depths, vocabs) -> dict:
     """ms of one drafting round (B = 16, greedy walk, K = 8) by depth and draft vocabulary, float32."""
     out = {}
@@ -143,7 +154,8 @@ def train_costs(model, repeats: int, depths, vocabs, autocasts) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--part", nargs="+", default=["verify", "draft", "train"], choices=["verify", "draft", "train"])
+    p.add_argument("--part", nargs="+", default=["verify", "verify8", "draft", "train"],
+                   choices=["verify", "verify8", "draft", "train"])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--vocabs", nargs="+", default=["full", "16384", "8192", "4096"])
@@ -158,6 +170,8 @@ def main() -> int:
     if "verify" in args.part:
         record["verify"] = verify_curve(model, args.repeats, args.compile)
         record["verify"]["compiled"] = args.compile
+    if "verify8" in args.part:
+        record["verify_8_rows"] = verify_curve_rows(model, 8, max(3, args.repeats // 3), args.compile)
     if "draft" in args.part:
         record["draft_round_ms"] = draft_costs(model, args.repeats, args.depths, vocabs)
     if "train" in args.part:
