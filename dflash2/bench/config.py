@@ -113,6 +113,8 @@ class BenchConfig:
     # (DFlash2Drafter.compile: each round's drafting as one graph, torch.compile with dynamic shapes;
     # names end in _compiled), at every concurrency; the target's step is chosen by target_steps.
     compile_drafters: bool = False
+    # StaticTarget steps compiled (torch.compile): minutes of warm-up a target; false runs them eager
+    compile_target: bool = True
     concurrency: list[int] = field(default_factory=lambda: [1])
     # Each dtype runs every drafter method (suffix _bf16 / _fp16 after float32's plain name); the target
     # stays float32, so what is committed never changes, only how fast drafts come and how often they pass.

@@ -141,17 +141,17 @@ class _Policies:
         return self.policies[full]
 
 
-def _static_targets(target, made: dict | None = None) -> Callable[[str, tuple[int, ...]], Any]:
-    """(target step, target layers read) → the compiled StaticTarget for them, made once and kept in
-    `made` (the bench passes one dict for the whole run: every table's rows share the compiled graphs,
-    whose warm-ups take minutes): "static_bf16mm" with bfloat16 products (linear_dtype)."""
+def _static_targets(target, made: dict | None = None, compile: bool = True) -> Callable[[str, tuple[int, ...]], Any]:
+    """(target step, target layers read) → the StaticTarget for them (compiled unless `compile` is false), made
+    once and kept in `made` (the bench passes one dict for the whole run: every table's rows share the compiled
+    graphs, whose warm-ups take minutes): "static_bf16mm" with bfloat16 products (linear_dtype)."""
     from dflash2.targets.static import StaticTarget
 
     made = {} if made is None else made
 
     def get(step: str, layers: tuple[int, ...]):
         if ("target", step, layers) not in made:
-            made["target", step, layers] = StaticTarget(target, layers, compile=True,
+            made["target", step, layers] = StaticTarget(target, layers, compile=compile,
                                               linear_dtype="bfloat16" if step == "static_bf16mm" else None)
         return made["target", step, layers]
     return get
@@ -174,7 +174,7 @@ def make_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Drafter], 
                  made: dict | None = None) -> dict[Method, Callable[[torch.Tensor, dict, int], Run]]:
     """Our loop's methods and HF's baselines at batch 1; `made`: the compiled StaticTargets and drafters
     of the run so far (reused; see `_static_targets`)."""
-    static = _static_targets(target, made)
+    static = _static_targets(target, made, cfg.compile_target)
     policy_for = _Policies(1, padded=False, calibrators=calibrators)
 
     def ours(drafter, step="hf", **verify):
@@ -291,7 +291,7 @@ def make_batch_methods(cfg: BenchConfig, target, drafters: dict[str, DFlash2Draf
                        made: dict | None = None) -> dict[Method, Callable[[tuple, dict, int], Run]]:
     """Our loop's methods on a prompt set (ids [N, T], attention_mask [N, T]) served `concurrency` rows
     at a time; HF baselines have no batched speculative path and are left out."""
-    static = _static_targets(target, made)
+    static = _static_targets(target, made, cfg.compile_target)
 
     def step_for(step: str, drafter):
         return target if step == "hf" else static(step, () if drafter is None else tuple(drafter.target_layer_ids))

@@ -179,12 +179,16 @@ def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
     original = static_target.StaticTarget.__init__
     made = []
     monkeypatch.setattr(static_target.StaticTarget, "__init__",
-                        lambda self, *a, compile=False, **k: made.append(k.get("linear_dtype")) or
+                        lambda self, *a, compile=False, **k: made.append((k.get("linear_dtype"), compile)) or
                         original(self, *a, compile=False, **k))
     out = tmp_path / "bench"
     assert main(["--quick", f"out={out}", "target_steps=[hf,static,static_bf16mm]", "datasets=[humaneval]",
                  "concurrency=[1,2]", "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
-    assert set(made) == {None, "bfloat16"}
+    assert set(made) == {(None, True), ("bfloat16", True)}  # compiled as asked (compile_target's default)
+    made.clear()
+    assert main(["--quick", f"out={tmp_path / 'eager'}", "target_steps=[static]", "datasets=[humaneval]",
+                 "methods=[ar]", "settings=[greedy]", "compile_target=false"]) == 0
+    assert set(made) == {(None, False)}
     all_rows = json.loads((out / "results.json").read_text())["rows"]
     for concurrency in (1, 2):  # batch 1 and batched (StaticTarget's batched step)
         rows = {r["method"]: r for r in all_rows if r["concurrency"] == concurrency}
