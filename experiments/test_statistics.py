@@ -23,8 +23,8 @@ def main() -> int:
     cmd = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-s", "--hypothesis-show-statistics",
            "-m", "slow or not slow",  # the deep checks too: their numbers are recorded
            "tests/decoding/test_greedy_equality.py", "tests/drafter/test_modules.py", "tests/decoding/test_sampling.py",
-           "tests/decoding/test_exact_distribution.py", "tests/decoding/test_monte_carlo.py", "tests/decoding/test_tree_decoding.py",
-           "tests/decoding/test_batch.py"]
+           "tests/decoding/test_exact_distribution.py", "tests/decoding/test_monte_carlo.py",
+           "tests/decoding/test_tree_decoding.py", "tests/decoding/test_batch.py"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     text = proc.stdout
     examples = []
@@ -63,7 +63,8 @@ def main() -> int:
         "",
         "## Tree verification and batches by enumeration (vocabulary 3)",
         "",
-        "`tests/decoding/test_tree_decoding.py`: `spec_generate(verify=\"tree\")`, 4 new tokens, trees of width <= 3 and depth <= 3; "
+        "`tests/decoding/test_tree_decoding.py`: `spec_generate(verify=\"tree\")`, 4 new tokens, trees of width <= 3 "
+        "and depth <= 3; "
         "`tests/decoding/test_batch.py`: a 2-row ragged batch, 3 new tokens per row, against the product of the rows' AR "
         "distributions. Both to 1e-12.",
         "",

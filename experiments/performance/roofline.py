@@ -103,7 +103,8 @@ def main(argv=None) -> int:
             adapter.crop(cache, args.context)
         passes.append(dict(path="model forward, batch", rows=rows, tokens=tokens, seconds=timed(batch_pass),
                            floor=floor(rows * tokens)))
-    result = dict(meta=dict(command="python experiments/performance/roofline.py", date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    result = dict(meta=dict(command="python experiments/performance/roofline.py",
+                            date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                             machine=platform.platform(), cpu=cpu_description(), context=args.context,
                             load=monitor.record()),
                   bandwidth_gb_s=bandwidth / 1e9, weight_mb=weight_bytes / 1e6, macs_per_token=params,
