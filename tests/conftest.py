@@ -12,6 +12,7 @@ import os
 THREADS = os.environ.get("DFLASH2_TEST_THREADS", "1")
 os.environ["OMP_NUM_THREADS"] = THREADS  # before torch is imported, for this process and its children
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 
@@ -22,3 +23,14 @@ settings.register_profile("ci", derandomize=True, deadline=None, print_blob=True
 settings.register_profile("deep", max_examples=500, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _shared_targets_stay_float64():
+    """tiny_target's models are cached and shared by the tests of a process: one cast in place (`.float()`)
+    would change the numbers of every later test on that worker, so that results hung on the order."""
+    yield
+    from tests.helpers import SHARED_TARGETS
+
+    cast = {p.dtype for m in SHARED_TARGETS for p in m.parameters()} - {torch.float64}
+    assert not cast, f"a test cast a shared tiny_target to {cast}: copy.deepcopy it first"

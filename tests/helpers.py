@@ -89,7 +89,8 @@ LINEAR_ATTENTION_SCALE = 20.0
 
 @functools.lru_cache(maxsize=None)
 def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: float = 1.0):
-    """A random float64 HF causal LM; `scale` > 1 sharpens its distributions (more agreement)."""
+    """A random float64 HF causal LM; `scale` > 1 sharpens its distributions (more agreement). Cached, so
+    shared by every test in the process: copy it before changing it (`.float()` is in place)."""
     cls, config = (_configs(vocab) | _more_configs(vocab) | _hybrid_configs(vocab))[arch]
     config._experts_implementation = "eager"  # HF's grouped-mm experts kernel has no float64
     torch.manual_seed(seed)
@@ -103,7 +104,11 @@ def tiny_target(arch: str = "qwen3", vocab: int = VOCAB, seed: int = 0, scale: f
                     p.mul_(LINEAR_ATTENTION_SCALE)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = None
+    SHARED_TARGETS.append(model)
     return model
+
+
+SHARED_TARGETS: list = []  # every tiny_target made: tests/conftest.py checks after each test that none was cast
 
 
 @functools.lru_cache(maxsize=None)

@@ -3,6 +3,7 @@ nothing off one (issue: StaticTarget(compile=True)'s first call looked like a ha
 
 from __future__ import annotations
 
+import copy
 import os
 import pty
 import re
@@ -67,7 +68,7 @@ def test_the_drafters_warm_up_is_announced_once(monkeypatch, capsys):
     from tests.helpers import tiny_target
 
     monkeypatch.setattr(drafter_module, "compile_own", lambda method, **kwargs: method)
-    target = tiny_target("qwen3").float()
+    target = copy.deepcopy(tiny_target("qwen3")).float()  # (the cached model is shared: .float() is in place)
     for terminal in (True, False):
         monkeypatch.setattr(sys.stderr, "isatty", lambda terminal=terminal: terminal)
         drafter = DFlash2Drafter.from_target(target, block_size=4, num_layers=1, mask_token_id=0).float()
@@ -77,7 +78,7 @@ def test_the_drafters_warm_up_is_announced_once(monkeypatch, capsys):
         with torch.no_grad():
             for n in (3, 1):
                 drafter.propose(cache, 1, features[:, :n], adapter, 0.0, TorchRandom(torch.Generator()))
-        assert drafter._warmed == {False} and cache.length == 4  # the warm-up's scratch rounds left it alone
+        assert drafter.warmed == {False} and cache.length == 4  # the warm-up's scratch rounds left it alone
         err = capsys.readouterr().err.splitlines()
         if terminal:
             assert len(err) == 2 and err[0].startswith("compiling the drafter's round (torch.compile") \

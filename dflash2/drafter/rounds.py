@@ -58,12 +58,21 @@ class DraftingRounds:
         self._round_batch = compile_own(self._round_batch, **kwargs)
         self._warmed, self._gemm = set(), gemm
 
-    def _warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
+    @property
+    def warmed(self) -> frozenset | None:
+        """The kinds of round compiled so far (None: not compiled): False and True for batch 1's rounds
+        without and with the lattice (`warm_up`), ("batch", lattice) for the batched ones."""
+        return None if self._warmed is None else frozenset(self._warmed)
+
+    def warm_up(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
         """Compile the round's graphs before the first real round, on scratch caches, so that no
         compilation lands inside a timed decode: a first round (no context yet) over several features
         and over one, later rounds over several and over one, after a context of one (a one-token
         prompt) too. Sizes 0 and 1 of the context and of the features compile apart; the sizes between
-        are dynamic."""
+        are dynamic. like: features as the rounds will read them (their width, dtype and device).
+        Nothing to do when not compiled (`compile`); the first round warms up by itself."""
+        if self._warmed is None:
+            return
         self._warmed.add(lattice)
         done = announce_compiling("the drafter's round")
         features = lambda n: torch.zeros(1, n, like.shape[-1], dtype=like.dtype, device=like.device)  # noqa: E731
@@ -75,7 +84,7 @@ class DraftingRounds:
         done()
 
     def _warm_up_batch(self, target: TargetAdapter, like: Tensor, lattice: bool) -> None:
-        """`_warm_up` for the batched round, on scratch ContextBatches: at three rows and at one (a
+        """`warm_up` for the batched round, on scratch ContextBatches: at three rows and at one (a
         batch's last row), over contexts of one position and of several. like: a tensor of the real
         batch's context (its device and dtype)."""
         self._warmed.add(("batch", lattice))
@@ -100,7 +109,7 @@ class DraftingRounds:
         B, device = self.config.block_size, new_features.device
         dtype = self.backbone.fc.weight.dtype
         if self._warmed is not None and lattice not in self._warmed:  # compiled, this kind not warmed up yet
-            self._warm_up(target, new_features, lattice)
+            self.warm_up(target, new_features, lattice)
         if not cache.keys:  # the first round: no context yet
             empty = lambda: torch.zeros(1, self.config.num_key_value_heads, 0, self.config.head_dim,  # noqa: E731
                                         dtype=dtype, device=device)

@@ -100,13 +100,14 @@ class GoodputPolicy:
         self._draft_window = {rows: deque([s], maxlen=DRAFT_WINDOW) for rows, s in self.draft_s.items()}
         self.loop_s: dict[int, float] = dict(loop_s or {})  # rows → the loop's own seconds in a round
         self._share = explore  # of the skipped seconds that the next probe may cost above a plain step
-        self._skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
+        self.skipped_s = 0.0  # plain steps' seconds since the last drafting round (from the cost model)
         # rows → (whether drafting pays, a plain step's seconds, a probe's seconds above it), until the estimates change
         self._pays: dict[int, tuple[bool, float, float]] = {}
         self._probing = False  # this round drafts to learn: verify all of it
         self._stale = False  # rounds were skipped since the last draft: the next one reads their features too
         self._probe_again = False  # the probe after skipped rounds is followed by one that times drafting alone
         self.chosen: Counter[int] = Counter()  # width → row-rounds verified at it (SKIPPED: rounds not drafted)
+        self.judged = 0  # the rounds judged in full (drafts() outside a quiet stretch)
         self.timer = RoundTimer(clock)  # every round timed: what the model misses (dflash2.policy.timing)
         # quiet stretches (drafts()): rounds shown to skip as surely, rounds left unjudged, their rows, plain seconds
         self._skips_ahead = self._quiet = self._quiet_rows = 0
@@ -119,11 +120,8 @@ class GoodputPolicy:
         return draft.confidence.detach().cpu().double()
 
     def expected_survival(self) -> list[float]:
-        """s̄ [positions]: the chance that every position up to t is accepted, from each position's
-        observed rate (the prior UNKNOWN_CONFIDENCE until it has seen about prior_strength tokens)."""
-        m = self.calibrator.prior_strength
-        rates = (self.calibrator.accepted.sum(1) + m * UNKNOWN_CONFIDENCE) / (self.calibrator.seen.sum(1) + m)
-        return torch.cumprod(rates, 0).tolist()
+        """s̄ [positions]: the chance that every position up to t is accepted, from expected_rates."""
+        return list(accumulate(self.expected_rates(self.calibrator.seen.shape[0]), lambda x, y: x * y))
 
     def _round_rate(self, curves: list[list[float]], draft_s: float,
                     floor: list[int] | None = None) -> tuple[list[int], float]:
@@ -180,12 +178,13 @@ class GoodputPolicy:
     def drafts(self, rows: int) -> bool:
         if self._quiet and rows == self._quiet_rows:  # settled skipping: what the full call would answer
             self._quiet -= 1
-            self._skipped_s += self._quiet_plain_s
+            self.skipped_s += self._quiet_plain_s
             self.chosen[SKIPPED] += rows
             return False
         self._quiet = 0  # (a stretch ends at another number of rows: what it showed held only at its own)
         now = self.timer.now()
         sampled = self._time_round(now, None, rows, None)  # the round before this one ends here
+        self.judged += 1
         drafting = self._drafts(rows)
         if not drafting and self._skips_ahead and (now is None or sampled and self.timer.window_full(rows)):
             # the next rounds skip too, whatever they would time: answered without judging or timing them
@@ -214,23 +213,23 @@ class GoodputPolicy:
             self._pays[rows] = (pays, plain_s, probe_extra, hopeful)
         pays, plain_s, probe_extra, hopeful = self._pays[rows]
         if pays:
-            self._skipped_s, self._share = 0.0, self.explore
+            self.skipped_s, self._share = 0.0, self.explore
             return True
-        self._skipped_s += plain_s
+        self.skipped_s += plain_s
         share = self._share if hopeful else self.explore_min  # nothing to learn where even hope loses
         rounds = 2 if self._stale else 1
-        if self.timer.probe_cost(rows, probe_extra * rounds) > share * self._skipped_s:
+        if self.timer.probe_cost(rows, probe_extra * rounds) > share * self.skipped_s:
             self.chosen[SKIPPED] += rows
             self._stale = True
             # how many of the next rounds skip as surely, nothing changing before them (the same sums, in the same order)
-            limit, skipped = self.timer.probe_cost(rows, probe_extra * 2), self._skipped_s
+            limit, skipped = self.timer.probe_cost(rows, probe_extra * 2), self.skipped_s
             while self._skips_ahead < self.quiet_rounds and limit > share * (skipped := skipped + plain_s):
                 self._skips_ahead += 1
             self._quiet_plain_s = plain_s
             return False
         # a probe: draft and verify it all, twice (the first round also reads the skipped rounds'
         # features, so only the second times drafting); the next may cost half the share
-        self._skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
+        self.skipped_s, self._share = 0.0, max(self._share / 2, self.explore_min)
         self._probing, self._probe_again = True, self._stale
         self.timer.open_probe(rows, rounds, probe_extra * rounds)
         return True

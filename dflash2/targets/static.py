@@ -18,6 +18,7 @@ the next prompt, and the buffers double only when rows or slots outrun them.
 from __future__ import annotations
 
 import inspect
+from collections import Counter
 
 import torch
 from torch import Tensor, nn
@@ -89,8 +90,9 @@ class StaticTarget(StaticCacheOps, TargetAdapter):
                 lin.in_graph = "inductor"
         if compile:
             allow_recompiles(64)  # a graph per pass kind and per shape that specialises (one row, one token)
-        self._compiled, self._warm = compile, set()  # the kinds of pass warmed up so far ("single", "batch")
-        # automatic dynamic shapes, the sizes a decode varies marked dynamic while warming up (_warm_up): the
+        self._compiled, self.warmed = compile, set()  # the kinds of pass warm_up compiled so far ("single", "batch")
+        self.passes: Counter[str] = Counter()  # the passes run, by kind: PASS_KINDS and "eager" (a one-token prefill)
+        # automatic dynamic shapes, the sizes a decode varies marked dynamic while warming up (warm_up): the
         # weights and the model's constants stay static, so a call's guards are few (dynamic=True made every
         # size symbolic, the weights' too, and Python-evaluated guards on them cost more than a layer's work)
         # each kind of pass compiles apart, graphs of its own whose guards a call checks only against its own
@@ -136,8 +138,8 @@ class StaticTarget(StaticCacheOps, TargetAdapter):
     def _pass(self, ids: Tensor, positions: Tensor, cache: StaticCache, allowed: Tensor | None,
               keep_logits: int | None) -> tuple[Tensor, Tensor | None]:
         start, T = cache.length, ids.shape[1]
-        if self._compiled and "single" not in self._warm:
-            self._warm_up("single")
+        if self._compiled and "single" not in self.warmed:
+            self.warm_up("single")
         key_positions = torch.arange(start + T, device=self.device)
         if allowed is not None:  # a tree: key slots start.. hold the nodes, at their depths' positions
             key_positions = torch.cat([key_positions[:start], positions[0]])
@@ -155,16 +157,24 @@ class StaticTarget(StaticCacheOps, TargetAdapter):
         """The step a pass of `width` tokens per row after `start` cached slots runs through: its kind's
         compiled graphs (PASS_KINDS), or eager for a one-token prompt's prefill."""
         if start == 0:
-            return self._runs["prefill"] if width > 1 else self._step
-        return self._runs["one" if width == 1 else "wide"] if batch else self._runs["single"]
+            kind = "prefill" if width > 1 else "eager"
+        else:
+            kind = ("one" if width == 1 else "wide") if batch else "single"
+        self.passes[kind] += 1
+        return self._runs.get(kind, self._step)
 
-    def _warm_up(self, kind: str) -> None:
+    def warm_up(self, kind: str) -> None:
         """Compile the step's graphs for one kind of pass on a scratch cache before the first real one,
         so no compilation lands inside a timed decode: "single" (batch 1: one token; two or more) or
         "batch" (a batch's one-token pass, at several rows and at one, which compiles apart). While
         warming up, every size a decode varies (rows, pass width, slots; the start changes between
-        passes) is marked dynamic on each call, so that those graphs serve every later pass."""
-        self._warm.add(kind)
+        passes) is marked dynamic on each call, so that those graphs serve every later pass. Nothing to
+        do when not compiled."""
+        if kind not in ("single", "batch"):
+            raise ValueError(f'warm_up takes "single" or "batch", got {kind!r}')
+        if not self._compiled:
+            return
+        self.warmed.add(kind)
         compiled = dict(self._runs)
 
         def marking(run):
@@ -261,8 +271,8 @@ class StaticTarget(StaticCacheOps, TargetAdapter):
         start = cache.length
         if cache.keys and cache.rows != R:
             raise ValueError(f"the pass has {R} rows, the cache {cache.rows}")
-        if self._compiled and "batch" not in self._warm:
-            self._warm_up("batch")
+        if self._compiled and "batch" not in self.warmed:
+            self.warm_up("batch")
         self._reserve_rows(cache, R, start + W)
         masks = self._masks_per_kind(self.kinds, q_pos, k_pos, allowed)  # [R, 1, W, S+W] per layer kind
         keys, values = cache.views()

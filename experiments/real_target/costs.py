@@ -2,6 +2,8 @@
 verify-cost curve, a drafting round by drafter depth and draft vocabulary, and a training step by the same.
 
     python experiments/real_target/costs.py [--part verify verify8 draft train] [--out docs/results/real_target/costs.json]
+    python experiments/real_target/costs.py --part train_flops --depths 1 2 --vocabs full 8192 \
+        --out docs/results/real_target/train_flops.json
 
 Run it quiet (../shared/tools/quiet first; nothing else running). Every number is a median over repeats,
 the variants of a part interleaved. Bounds: weight bytes / the measured read bandwidth, and FLOPs / the
@@ -118,10 +120,9 @@ def draft_costs(model, repeats: int, depths, vocabs) -> dict:
     return out
 
 
-def train_costs(model, repeats: int, depths, vocabs, autocasts) -> dict:
-    """ms of one optimiser step (8 sequences of 520 tokens, 64 anchors each, B = 16) by depth, draft vocabulary
-    and autocast, features given (the cache's case)."""
-    out = {}
+def train_steps(model, depths, vocabs, autocasts):
+    """(key "depth/vocab/autocast", one optimiser step, its cached features' elements) for 8 sequences of
+    520 tokens, 64 anchors each, B = 16, features given (the cache's case)."""
     g = torch.Generator().manual_seed(0)
     N, T = 8, 520
     ids = torch.randint(100, 40000, (N, T), generator=g)
@@ -140,7 +141,7 @@ def train_costs(model, repeats: int, depths, vocabs, autocasts) -> dict:
             for cast in autocasts:
                 ctx = (lambda: torch.autocast("cpu", dtype=torch.bfloat16)) if cast == "bf16" else torch.enable_grad
 
-                def step():
+                def step(d=d, opt=opt, ctx=ctx, adapter=adapter, feats=feats):
                     opt.zero_grad(set_to_none=True)
                     with ctx():
                         o = masked_block_forward(d, adapter, ids, feats, anchors, label_mask=label_mask, valid=valid,
@@ -148,14 +149,31 @@ def train_costs(model, repeats: int, depths, vocabs, autocasts) -> dict:
                         loss = drafter_losses(d, adapter, o, gamma=7.0, selector_alpha=0.1).total
                     loss.backward()
                     opt.step()
-                out[f"{depth}L/{vocab or 'full'}/{cast}"] = median_ms(step, repeats, warm=1)
+                yield f"{depth}L/{vocab or 'full'}/{cast}", step, feats.numel()
+
+
+def train_costs(model, repeats: int, depths, vocabs, autocasts) -> dict:
+    """ms of one optimiser step by depth, draft vocabulary and autocast (train_steps)."""
+    return {key: median_ms(step, repeats, warm=1) for key, step, _ in train_steps(model, depths, vocabs, autocasts)}
+
+
+def train_flops(model, depths, vocabs) -> dict:
+    """GFLOP of one optimiser step, forward and backward (torch's FLOP counter: matrix products and
+    attention), and the MB of cached features (bfloat16) it reads, by depth and draft vocabulary."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    out = {}
+    for key, step, features in train_steps(model, depths, vocabs, ["none"]):
+        with FlopCounterMode(display=False) as counter:
+            step()
+        out[key.rsplit("/", 1)[0]] = {"gflop": counter.get_total_flops() / 1e9, "feature_mb": features * 2 / 1e6}
     return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--part", nargs="+", default=["verify", "verify8", "draft", "train"],
-                   choices=["verify", "verify8", "draft", "train"])
+                   choices=["verify", "verify8", "draft", "train", "train_flops"])
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--depths", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--vocabs", nargs="+", default=["full", "16384", "8192", "4096"])
@@ -165,8 +183,10 @@ def main() -> int:
     vocabs = [None if v == "full" else int(v) for v in args.vocabs]
     model = load_target()
     record = {"machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-              "load_before": os.getloadavg(), "bandwidth_gbs": bandwidth_gbs(),
-              "gemm_gflops": {"float32": gemm_gflops(torch.float32), "bfloat16": gemm_gflops(torch.bfloat16)}}
+              "load_before": os.getloadavg()}
+    if set(args.part) - {"train_flops"}:  # the machine's bounds, beside the timed parts
+        record["bandwidth_gbs"] = bandwidth_gbs()
+        record["gemm_gflops"] = {"float32": gemm_gflops(torch.float32), "bfloat16": gemm_gflops(torch.bfloat16)}
     if "verify" in args.part:
         record["verify"] = verify_curve(model, args.repeats, args.compile)
         record["verify"]["compiled"] = args.compile
@@ -176,6 +196,8 @@ def main() -> int:
         record["draft_round_ms"] = draft_costs(model, args.repeats, args.depths, vocabs)
     if "train" in args.part:
         record["train_step_ms"] = train_costs(model, max(3, args.repeats // 5), args.depths, vocabs, ["none", "bf16"])
+    if "train_flops" in args.part:  # counted, not timed
+        record["train_step_gflop"] = train_flops(model, args.depths, vocabs)
     record["load_after"] = os.getloadavg()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

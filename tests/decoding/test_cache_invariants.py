@@ -4,6 +4,7 @@ and the drafter's context cache equals recomputing it from all features seen so 
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -148,10 +149,15 @@ def test_prefill_keeps_only_the_last_logits(arch):
 
 def test_keep_logits_without_the_model_keyword_slices():
     """Models whose forward lacks `logits_to_keep` compute every row; the adapter still returns the last."""
-    adapter = TargetAdapter(tiny_target("qwen3"))
+    model = tiny_target("qwen3")
     ids = torch.tensor([[3, 9, 4, 1]])
-    full = adapter.forward(ids, adapter.new_cache()).logits
-    adapter._keeps_logits = False
+    full = TargetAdapter(model).forward(ids, TargetAdapter(model).new_cache()).logits
+    forward = model.forward
+    if "cache" in inspect.signature(forward).parameters:  # the model's forward without logits_to_keep
+        model.forward = lambda input_ids=None, cache=None, **kw: forward(input_ids=input_ids, cache=cache, **kw)
+    else:  # (transformers releases whose cache keyword is past_key_values)
+        model.forward = lambda input_ids=None, **kw: forward(input_ids=input_ids, **kw)
+    adapter = TargetAdapter(model)
     assert torch.equal(adapter.forward(ids, adapter.new_cache(), keep_logits=2).logits, full[:, -2:])
     T = ids.shape[1]
     allowed = torch.ones(T, T, dtype=torch.bool).tril()[None]

@@ -289,7 +289,8 @@ def test_a_drafting_round_is_the_block_pass_then_candidates_then_the_lattice(var
             features = torch.randn(1, n, len(d.target_layer_ids) * d.config.hidden_size, dtype=torch.float64)
             s = d.draft_round(by_round, anchor, features, adapter)
             d.backbone.extend_context(by_steps, features)
-            hidden, cands = d._candidates(by_steps, anchor, adapter, d.config.num_draft_positions)
+            hidden = d.block_hidden(by_steps, anchor, adapter, rows=d.config.num_draft_positions + 1)[0, 1:]  # [L, H]
+            cands = d.draft_candidates(hidden, adapter)
             first, steps = d.candidate_selector.lattice(cands, hidden, anchor)
             assert by_round.length == by_steps.length
             for a, b in zip(by_round.keys + by_round.values, by_steps.keys + by_steps.values):
@@ -352,7 +353,7 @@ def test_a_compiled_drafter_compiles_only_while_warming_up():
     width = len(drafter.target_layer_ids) * target.config.hidden_size
     with torch.no_grad():
         for lattice in (True, False):
-            drafter._warm_up(adapter, torch.zeros(1, 1, width), lattice)
+            drafter.warm_up(adapter, torch.zeros(1, 1, width), lattice)
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     before = graphs()
     g = torch.Generator().manual_seed(3)
@@ -460,7 +461,8 @@ def test_context_batch_follows_each_row_across_rounds(window):
         s = d.draft_round_batch(context, anchors, None, adapter, 3, lattice=False)
         hidden, cands = s.hidden, s.cands
         for i, (cache, anchor) in enumerate(zip(rows, anchors)):
-            alone_hidden, alone = d._candidates(cache, anchor, adapter, 3)
+            alone_hidden = d.block_hidden(cache, anchor, adapter, rows=4)[0, 1:]  # [3, H]
+            alone = d.draft_candidates(alone_hidden, adapter)
             torch.testing.assert_close(hidden[i], alone_hidden, rtol=0, atol=1e-10)
             assert cands.ids[i].tolist() == alone.ids.tolist()
     assert len(capacities) > 1  # the buffers grew while rows were in flight

@@ -502,20 +502,9 @@ def test_one_stalled_round_does_not_stop_the_probes(stalled):
 
 
 class _Judged(GoodputPolicy):
-    """GoodputPolicy that judges (and times) every round: no quiet stretches. Counts its full calls."""
+    """GoodputPolicy that judges (and times) every round: no quiet stretches."""
 
     quiet_rounds = 0
-
-
-def _full_calls(policy) -> list[int]:
-    """Count policy's full drafts() calls (those that judge the round) in a list it keeps."""
-    calls, judge = [0], policy._drafts
-
-    def counted(rows):
-        calls[0] += 1
-        return judge(rows)
-    policy._drafts = counted
-    return calls
 
 
 @settings(max_examples=60, deadline=None)
@@ -538,7 +527,7 @@ def test_quiet_stretches_answer_as_the_full_calls_do(segments, slope, draft_time
         clock = [0.0]
         policy = cls(cost, 4, explore=explore[0], explore_min=explore[1], draft_s={1: draft_time},
                      clock=(lambda c=clock: c[0]) if timed else None)
-        calls, answers, k = _full_calls(policy), [], 0
+        answers, k = [], 0
         for rows, count in segments:
             for _ in range(count):
                 drafting = policy.drafts(rows)
@@ -553,7 +542,7 @@ def test_quiet_stretches_answer_as_the_full_calls_do(segments, slope, draft_time
                     clock[0] += draft_time + cost.verify_s(rows + sum(widths)) + extra
                 else:
                     clock[0] += cost.verify_s(rows) + extra
-        runs.append((answers, policy.chosen, policy._skipped_s, calls[0]))
+        runs.append((answers, policy.chosen, policy.skipped_s, policy.judged))
     (quiet, chosen, skipped_s, quiet_calls), (judged, judged_chosen, judged_skipped_s, judged_calls) = runs
     assert quiet == judged and chosen == judged_chosen and skipped_s == judged_skipped_s
     assert quiet_calls <= judged_calls == sum(count for _, count in segments)
@@ -565,7 +554,6 @@ def test_quiet_stretches_leave_most_skipped_rounds_unjudged_and_keep_sampling_th
     cost = CostModel(((1, 1.0), (2, 1.6)))
     clock = [0.0]
     policy = GoodputPolicy(cost, 4, explore=0.05, explore_min=0.002, draft_s={1: 0.5}, clock=lambda: clock[0])
-    calls = _full_calls(policy)
     blind = Draft(torch.arange(4))
     for _ in range(400):
         if policy.drafts(1):
@@ -576,7 +564,7 @@ def test_quiet_stretches_leave_most_skipped_rounds_unjudged_and_keep_sampling_th
             clock[0] += 1.0
     assert policy.chosen[SKIPPED] > 390  # (a probe or two among them)
     # the window's first samples, then two full calls a stretch, and each probe's rounds and the two after them
-    assert calls[0] <= ROUND_WINDOW + 2 + 2 * 400 / (QUIET_ROUNDS + 2) + 2 * 4, calls[0]
+    assert policy.judged <= ROUND_WINDOW + 2 + 2 * 400 / (QUIET_ROUNDS + 2) + 2 * 4, policy.judged
     window = policy.timer.windows["plain"][1]
     assert len(window) == ROUND_WINDOW and policy.residual("plain", 1) == pytest.approx(0.0)
     before = list(window)

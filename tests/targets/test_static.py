@@ -199,7 +199,7 @@ def test_the_compiled_step_is_lossless(gemm):
     ids, mask = left_pad(prompts)
     plain = StaticTarget(exact.target(), compile=True, gemm=gemm)
     assert [r.sequences[0].tolist() for r in ar_generate_batch(plain, ids, mask, max_new_tokens=12, concurrency=3)] == want
-    assert plain._warm == {"batch"}  # the batch-1 graphs compile only when a batch-1 pass comes
+    assert plain.warmed == {"batch"}  # the batch-1 graphs compile only when a batch-1 pass comes
     rows = spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=12, concurrency=3, verify="tree", tree_nodes=4,
                                policy=DraftEvery(2))
     assert [r.sequences[0].tolist() for r in rows] == want
@@ -217,7 +217,7 @@ def test_gemm_decides_who_writes_the_compiled_products(gemm, capfd):
 
     tgt = StaticTarget(exact.target(), compile=True, linear_dtype=BF16, gemm=gemm)
     capfd.readouterr()
-    _, codes = run_and_get_code(tgt._warm_up, "single")
+    _, codes = run_and_get_code(tgt.warm_up, "single")
     code = "\n".join(codes)
     assert codes and ("packed_linear" in code) == (gemm == "aten")
     assert ("_frozen_param" in code) == (gemm == "inductor")
@@ -250,8 +250,8 @@ def test_the_compiled_step_compiles_only_while_warming_up():
     tgt = StaticTarget(exact.target(), tuple(drafter.target_layer_ids), compile=True)
     plain = StaticTarget(exact.target(), compile=True)
     for t in (tgt, plain):
-        t._warm_up("single")
-        t._warm_up("batch")
+        t.warm_up("single")
+        t.warm_up("batch")
     graphs = lambda: torch._dynamo.utils.counters["stats"]["unique_graphs"]  # noqa: E731
     before = graphs()
     prompts = [[1, 2, 0, 1, 1, 2, 0, 2, 1], [0], [2, 2, 1], [1, 0], [2, 1, 1, 0, 2]]
@@ -270,37 +270,21 @@ def test_the_compiled_step_compiles_only_while_warming_up():
 def test_each_kind_of_pass_runs_its_own_graphs():
     """Prefills, batch 1's later passes, a batch's one-token passes and its wider passes (verification)
     go to four compiled callables, each with graphs of its own (compiled or not, the routing is the
-    same); a one-token prompt's prefill runs eager. Routing a kind to another's graphs would mix their
-    guards, routing it to the eager step would drop its compilation: both fail here."""
+    same); a one-token prompt's prefill runs eager. `passes` counts the kinds as routed: a kind sent to
+    another's graphs would mix their guards, one sent to the eager step would drop its compilation."""
     drafter = exact.DRAFTERS["sampled_walk_sparse_q"]()
-    seen = []
-
-    def counted(tgt: StaticTarget) -> StaticTarget:
-        def counting(name, run):
-            def call(ids, positions, masks, keys, values, start):
-                seen.append((name, start == 0, ids.shape[1] > 1))  # (kind, a prefill, wider than one token)
-                return run(ids, positions, masks, keys, values, start)
-            return call
-
-        tgt._runs = {name: counting(name, run) for name, run in tgt._runs.items()}
-        tgt._step = counting("eager", tgt._step)
-        return tgt
-
-    tgt, plain = counted(StaticTarget(exact.target(), tuple(drafter.target_layer_ids))), counted(StaticTarget(exact.target()))
+    tgt, plain = StaticTarget(exact.target(), tuple(drafter.target_layer_ids)), StaticTarget(exact.target())
     prompts = [[1, 2, 0, 1, 1, 2], [0], [2, 2, 1], [1, 0]]
     ids, mask = left_pad(prompts)
     spec_generate_batch(drafter, tgt, ids, mask, max_new_tokens=8, concurrency=2, verify="tree", tree_nodes=4,
                         policy=DraftEvery(2))
-    batch = set(seen)
-    assert batch == {("prefill", True, True), ("eager", True, False), ("one", False, False),
-                     ("wide", False, True)}, batch
-    seen.clear()
+    assert set(tgt.passes) == {"prefill", "eager", "one", "wide"} and tgt.passes["eager"] == 1, tgt.passes  # [0] is eager
+    tgt.passes.clear()
     spec_generate(drafter, tgt, torch.tensor([prompts[0]]), max_new_tokens=8, verify="tree", tree_nodes=4)
     ar_generate(plain, torch.tensor([prompts[0]]), max_new_tokens=3)
     ar_generate(plain, torch.tensor([[0]]), max_new_tokens=3)  # a one-token prompt
-    single = set(seen)
-    assert single == {("prefill", True, True), ("eager", True, False), ("single", False, False),
-                      ("single", False, True)}, single
+    assert tgt.passes.keys() == {"prefill", "single"} and plain.passes == {"prefill": 1, "eager": 1, "single": 4}, \
+        (tgt.passes, plain.passes)
 
 
 def recording(target):
