@@ -207,6 +207,7 @@ def write_outputs(cfg: BenchConfig, rows: list[dict[str, Any]], sources: dict[st
             lines.append(f"| {r['concurrency']} | {r['setting']} | {r['method']} | {widths} | {curve} | {residual} |")
     (out / "results.md").write_text("\n".join(lines) + "\n")
     _plot(rows, out)
+    _plot_acceptance(rows, out)
 
 
 def invocation() -> str:
@@ -264,6 +265,39 @@ def _plot(rows, out: Path) -> list[Path]:
                       "per-prompt ratios; whiskers: quartiles)", fontsize=8)
         fig.tight_layout()
         path = out / f"speedup_{dataset}_{'server' if block == 'server' else 'B' + block}_c{conc}_{setting}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _plot_acceptance(rows, out: Path) -> list[Path]:
+    """One figure per table with drafting rows: for each, the share of rounds whose draft is accepted up to
+    position k and past it (acceptance_by_position), against k. Without matplotlib: nothing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return []
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    key = lambda r: (r["dataset"], str(r["block_size"]), r["concurrency"], r["setting"])  # noqa: E731
+    drafted = [r for r in rows if r.get("acceptance_by_position")]
+    paths = []
+    for group in sorted({key(r) for r in drafted}):
+        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        for r in (r for r in drafted if key(r) == group):
+            shares = r["acceptance_by_position"]
+            label = r["method"] + (f" (τ {r['tau']:.2f})" if r.get("tau") else "")
+            ax.plot(range(1, len(shares) + 1), shares, marker=".", label=label)
+        dataset, block, conc, setting = group
+        ax.set_title(f"{dataset}, B={block}, concurrency {conc}, {setting}", fontsize=9)
+        ax.set_xlabel("draft position k", fontsize=8)
+        ax.set_ylabel("rounds accepting k or more drafts", fontsize=8)
+        ax.set_ylim(0, 1)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        path = out / f"acceptance_{dataset}_B{block}_c{conc}_{setting}.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)

@@ -59,6 +59,10 @@ def test_quick_bench_writes_table_json_and_plot(tmp_path):
     figures = sorted(out.glob("speedup_*.png"))  # one per table, each readable on its own
     assert len(figures) == len({(r["dataset"], r["block_size"], r["concurrency"], r["setting"]) for r in rows})
     assert all(f.stat().st_size > 1000 for f in figures)
+    drafted = {(r["dataset"], r["block_size"], r["concurrency"], r["setting"]) for r in rows
+               if r.get("acceptance_by_position")}
+    curves = sorted(out.glob("acceptance_*.png"))  # acceptance by position: one per table with drafting rows
+    assert len(curves) == len(drafted) > 0 and all(f.stat().st_size > 1000 for f in curves)
     assert data["meta"]["config"]["target"] == "tiny random models (--quick)"
     for r in rows:  # the spread behind each median
         if r.get("speedup_q1") is not None:
