@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dflash2.engines.vllm import refusal_reason
-from dflash2.bench.config import HF_BASELINES, BenchConfig, cpu_description
+from dflash2.bench.config import HF_BASELINES, TARGET_STEPS, BenchConfig, cpu_description
 from dflash2.bench.machine import commit, load_note
 from dflash2.bench.stats import median_ratio, quartiles, ratios, tokens_per_s
 
@@ -32,8 +32,8 @@ def summarize(runs: dict, dataset: str, block: int, setting_name: str, setting: 
     """One row per Method of a table: runs[method] = [(repetition, prompt, Run)]. `engine`: the vllm
     methods' VLLMResults (their τ, errors)."""
     engine = engine or {}
-    by_name = {m.name: m for m in runs}
-    ar = by_name.get("ar") or by_name.get("ar_static")  # our AR: through the model's forward, else StaticTarget
+    # our AR: through the model's forward, else StaticTarget, else StaticTarget with bfloat16 products
+    ar = min((m for m in runs if m.family == "ar"), key=lambda m: TARGET_STEPS.index(m.target_step), default=None)
     base = {(rep, p): r for rep, p, r in runs[ar]} if ar else {}
     ar_tps = tokens_per_s(runs[ar]) if ar and runs[ar] else None
     plain = {m: tokens_per_s(items) for m, items in runs.items() if m.plain and items}

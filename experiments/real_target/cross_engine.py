@@ -107,7 +107,13 @@ def main(argv=None) -> int:
     same = sum(r["accepted_ours"] == r["accepted_llama"] for r in rows)
     total = {k: sum(len(r[f"accepted_{k}"]) for r in rows) for k in ("ours", "llama")}
     acc = {k: sum(sum(r[f"accepted_{k}"]) for r in rows) for k in ("ours", "llama")}
-    summary = dict(prompts=len(rows), skipped=skipped, identical_round_sequences=same,
+    # the last round meets the budget, where the two stop differently (llama.cpp drafts a full block past -n)
+    before = [(r["accepted_ours"][:-1], r["accepted_llama"][:len(r["accepted_ours"]) - 1]) for r in rows]
+    rounds = sum(len(a) for a, _ in before)
+    last_apart = dict(identical=sum(a == b for a, b in before), rounds=rounds,
+                      tau_ours=1 + sum(sum(a) for a, _ in before) / max(rounds, 1),
+                      tau_llama=1 + sum(sum(b) for _, b in before) / max(rounds, 1))
+    summary = dict(prompts=len(rows), skipped=skipped, identical_round_sequences=same, before_the_last_round=last_apart,
                    tau_ours=1 + acc["ours"] / max(total["ours"], 1), tau_llama=1 + acc["llama"] / max(total["llama"], 1),
                    drafter=args.drafter, suite=args.suite, max_new_tokens=args.max_new_tokens)
     print(json.dumps(summary, indent=2))

@@ -190,9 +190,12 @@ def test_static_target_rows_decode_what_the_hf_rows_do(tmp_path, monkeypatch):
                  "concurrency=[1,2]", "methods=[ar,dflash2_walk,dflash2_tree]", "settings=[greedy]", "tree_nodes=[7]"]) == 0
     assert set(made) == {(None, True), ("bfloat16", True)}  # compiled as asked (compile_target's default)
     made.clear()
-    assert main(["--quick", f"out={tmp_path / 'eager'}", "target_steps=[static]", "datasets=[humaneval]",
-                 "methods=[ar]", "settings=[greedy]", "compile_target=false"]) == 0
-    assert set(made) == {(None, False)}
+    assert main(["--quick", f"out={tmp_path / 'eager'}", "target_steps=[static_bf16mm]", "datasets=[humaneval]",
+                 "methods=[ar,dflash2_walk]", "settings=[greedy]", "compile_target=false"]) == 0
+    assert set(made) == {("bfloat16", False)}
+    alone = json.loads((tmp_path / "eager" / "results.json").read_text())["rows"]  # its only AR: ar_static_bf16mm
+    assert all(r["speedup"] is not None for r in alone) and {r["method"] for r in alone if r["speedup"] == 1.0} \
+        >= {"ar_static_bf16mm"}
     all_rows = json.loads((out / "results.json").read_text())["rows"]
     for concurrency in (1, 2):  # batch 1 and batched (StaticTarget's batched step)
         rows = {r["method"]: r for r in all_rows if r["concurrency"] == concurrency}
