@@ -226,17 +226,33 @@ def invocation() -> str:
     return " ".join([head, shlex.join(sys.argv[1:])]).strip()
 
 
+def _pyplot():
+    """matplotlib.pyplot on the file-only backend, or None where matplotlib is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt, fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _plot(rows, out: Path) -> list[Path]:
     """One figure per table (dataset, B, concurrency, setting): each method's speedup over our AR (median of
     per-prompt ratios: the bar, with its value) and the quartiles of those ratios (the whiskers), every
     figure on the same axis from 0. Without matplotlib: no figures, said in one line."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         print("note: matplotlib is not installed: no plots (pip install matplotlib)", file=sys.stderr)
         return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     # a server's rows (its plain decoding has no block size) make a figure of their own
     key = lambda r: (r["dataset"], "server" if str(r.get("engine", "")).startswith("server") else  # noqa: E731
@@ -263,23 +279,16 @@ def _plot(rows, out: Path) -> list[Path]:
         ax.set_title(f"{dataset}, {'servers' if server else 'B=' + block}, concurrency {conc}, {setting}", fontsize=9)
         ax.set_xlabel(f"speedup over {'the server without a drafter' if server else 'our AR'} (median of "
                       "per-prompt ratios; whiskers: quartiles)", fontsize=8)
-        fig.tight_layout()
-        path = out / f"speedup_{dataset}_{'server' if block == 'server' else 'B' + block}_c{conc}_{setting}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out / f"speedup_{dataset}_{'server' if server else 'B' + block}_c{conc}_{setting}.png"))
     return paths
 
 
 def _plot_acceptance(rows, out: Path) -> list[Path]:
     """One figure per table with drafting rows: for each, the share of rounds whose draft is accepted up to
     position k and past it (acceptance_by_position), against k. Without matplotlib: nothing."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return []
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
     key = lambda r: (r["dataset"], str(r["block_size"]), r["concurrency"], r["setting"])  # noqa: E731
     drafted = [r for r in rows if r.get("acceptance_by_position")]
@@ -296,10 +305,6 @@ def _plot_acceptance(rows, out: Path) -> list[Path]:
         ax.set_ylabel("rounds accepting k or more drafts", fontsize=8)
         ax.set_ylim(0, 1)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"acceptance_{dataset}_B{block}_c{conc}_{setting}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(_save(plt, fig, out / f"acceptance_{dataset}_B{block}_c{conc}_{setting}.png"))
     return paths
 
